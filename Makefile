@@ -1,0 +1,23 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+PY := .venv/bin/python
+
+.PHONY: setup test test-fast demo models bench clean
+
+setup:
+	@bash ci/setup_venv.sh
+
+test: setup
+	@bash ci/test.sh
+
+test-fast: setup
+	@bash ci/test.sh -m "not engine and not server and not statistical"
+
+demo: setup
+	@source ci/env.sh && $(PY) -m verification.demo
+
+models: setup
+	@$(PY) -m models.build
+
+clean:
+	rm -rf .venv .pytest_cache .hypothesis runs

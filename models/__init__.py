@@ -1,0 +1,18 @@
+"""Embedded demo model family for vllm-specplugin.
+
+A small Llama target LM and three draft LMs trained reproducibly on CPU from
+the Python standard library's source.  Rebuild with ``python -m models.build``
+(run from the repo root); the checkpoints live in ``models/demo/<name>/``.
+"""
+
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+TARGET = "target"
+DRAFTS = ("draft-small", "draft-distill", "draft-tiny")
+ALL = (TARGET, *DRAFTS)
+
+
+def checkpoint(name: str) -> Path:
+    """Path of a demo checkpoint dir, e.g. ``checkpoint("target")``."""
+    return DEMO_DIR / name

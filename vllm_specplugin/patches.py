@@ -1,0 +1,74 @@
+"""Every change the plugin makes to vLLM at run time, in one place, each behind a version check.
+
+vLLM runs general plugins in every process, sometimes twice, so ``install`` is idempotent:
+each wrapper marks itself and is never stacked.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vllm_specplugin import version
+from vllm_specplugin.config import SpecPluginConfig
+from vllm_specplugin.logging_utils import log_once
+
+_MARK = "_specplugin_wrapped"
+
+
+def install() -> None:
+    _wrap_engine_config_validation()
+    if not version.is_tested_version():
+        log_once(
+            "warning",
+            f"vllm-specplugin was tested with vLLM {', '.join(version.TESTED_VLLM_SERIES)}.x; found "
+            f"{version.vllm_version()}. Runtime patches (CPU sampler repair) are NOT installed. "
+            "Proposers still load through custom_class.",
+        )
+        return
+    _wrap_worker_init()
+
+
+def _wrap_engine_config_validation() -> None:
+    """Validate ``additional_config['specplugin']`` as the engine config is built (start-up)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = original(self, *args, **kwargs)
+        SpecPluginConfig.from_additional_config(vllm_config.additional_config)
+        return vllm_config
+
+    setattr(create_engine_config, _MARK, True)
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def _wrap_worker_init() -> None:
+    """Apply the CPU sampler repair after the platform registers its kernel fallbacks.
+
+    In a worker process, ``WorkerWrapperBase.init_worker`` loads general plugins (this code)
+    first and registers the platform's fallbacks second, so a repair registered at plugin load
+    is overwritten, and a wrapper of ``init_worker`` itself comes too late for that call.
+    ``init_device`` is the next call on the same wrapper, so the repair goes there.
+    """
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    original = WorkerWrapperBase.init_device
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def init_device(self):
+        config = SpecPluginConfig.from_additional_config(
+            getattr(self.vllm_config, "additional_config", None)
+        )
+        from vllm_specplugin import sampler_repair
+
+        sampler_repair.apply(config.cpu_sampler_repair)
+        return original(self)
+
+    setattr(init_device, _MARK, True)
+    WorkerWrapperBase.init_device = init_device
