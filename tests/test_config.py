@@ -1,0 +1,101 @@
+"""The plugin's config schema: valid configs parse, malformed ones fail naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_specplugin.config import SpecPluginConfig, SpecPluginConfigError
+
+
+@pytest.fixture
+def draft_dirs(tmp_path):
+    dirs = []
+    for name in ("a", "b", "c", "d"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        dirs.append(str(d))
+    return dirs
+
+
+def test_defaults_when_absent():
+    assert SpecPluginConfig.from_additional_config({}) == SpecPluginConfig()
+    assert SpecPluginConfig.from_additional_config(None) == SpecPluginConfig()
+    assert SpecPluginConfig.from_additional_config({"other_plugin": {"x": 1}}) == SpecPluginConfig()
+
+
+def test_valid_config(draft_dirs):
+    config = SpecPluginConfig.from_additional_config(
+        {
+            "specplugin": {
+                "cpu_sampler_repair": "off",
+                "drafts": draft_dirs[:2],
+                "draft_weights": [1, 3],
+                "draft_dtype": "bfloat16",
+                "draft_memory_budget_mb": 64,
+            }
+        }
+    )
+    assert config.cpu_sampler_repair == "off"
+    assert config.drafts == tuple(draft_dirs[:2])
+    assert config.draft_weights == (1.0, 3.0)
+    assert config.draft_memory_budget_mb == 64
+
+
+def test_json_string_is_accepted():
+    config = SpecPluginConfig.from_additional_config('{"specplugin": {"cpu_sampler_repair": "on"}}')
+    assert config.cpu_sampler_repair == "on"
+
+
+MALFORMED = [
+    ("unknown key", {"specplugin": {"gamma_typo": 3}}, "gamma_typo"),
+    ("section not an object", {"specplugin": [1, 2]}, "specplugin"),
+    ("repair mode wrong type", {"specplugin": {"cpu_sampler_repair": True}}, "cpu_sampler_repair"),
+    ("repair mode unknown", {"specplugin": {"cpu_sampler_repair": "maybe"}}, "cpu_sampler_repair"),
+    ("drafts not a list", {"specplugin": {"drafts": 5}}, "drafts"),
+    ("drafts empty", {"specplugin": {"drafts": []}}, "drafts"),
+    ("draft path missing", {"specplugin": {"drafts": ["/nonexistent/draft"]}}, "drafts"),
+    ("negative weight", {"specplugin": {"draft_weights": [-1.0]}}, "draft_weights"),
+    ("all-zero weights", {"specplugin": {"draft_weights": [0, 0]}}, "draft_weights"),
+    ("weight not a number", {"specplugin": {"draft_weights": ["1"]}}, "draft_weights"),
+    ("nan weight", {"specplugin": {"draft_weights": [float("nan")]}}, "draft_weights"),
+    ("dtype unknown", {"specplugin": {"draft_dtype": "int8"}}, "draft_dtype"),
+    ("budget zero", {"specplugin": {"draft_memory_budget_mb": 0}}, "draft_memory_budget_mb"),
+    ("budget float", {"specplugin": {"draft_memory_budget_mb": 1.5}}, "draft_memory_budget_mb"),
+    ("budget bool", {"specplugin": {"draft_memory_budget_mb": True}}, "draft_memory_budget_mb"),
+    ("invalid JSON string", "{specplugin: ", "additional_config"),
+]
+
+
+@pytest.mark.parametrize("case,raw,field", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_config_names_the_field(case, raw, field):
+    with pytest.raises(SpecPluginConfigError) as info:
+        SpecPluginConfig.from_additional_config(raw)
+    assert info.value.field == field
+    assert f"'{field}'" in str(info.value)
+
+
+def test_too_many_drafts(draft_dirs):
+    with pytest.raises(SpecPluginConfigError, match="'drafts'.*1 to 3"):
+        SpecPluginConfig.from_dict({"drafts": draft_dirs})
+
+
+def test_weights_must_match_drafts(draft_dirs):
+    with pytest.raises(SpecPluginConfigError, match="'draft_weights'.*3 entries.*'drafts' has 2"):
+        SpecPluginConfig.from_dict({"drafts": draft_dirs[:2], "draft_weights": [1, 1, 1]})
+
+
+def test_engine_start_up_rejects_malformed_config(random_target):
+    """The plugin hook validates while vLLM builds its config: before any model loads."""
+    import vllm_specplugin
+    from vllm.engine.arg_utils import EngineArgs
+
+    vllm_specplugin.register()
+    args = EngineArgs(
+        model=random_target,
+        dtype="float32",
+        max_model_len=256,
+        additional_config={"specplugin": {"cpu_sampler_repair": "sometimes"}},
+    )
+    with pytest.raises(SpecPluginConfigError, match="'cpu_sampler_repair'"):
+        args.create_engine_config()

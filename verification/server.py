@@ -1,0 +1,150 @@
+"""The real OpenAI-compatible vLLM server on 127.0.0.1, as a context manager.
+
+Starts ``specplugin-vllm serve`` (vLLM's own CLI) in its own process group, waits for
+/health, and always shuts the whole group down on exit, even when the body raises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from verification.drivers import REPO_ROOT, engine_env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class VllmServer:
+    """``with VllmServer(model, speculative_config=...) as server: server.base_url``."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        speculative_config: dict | None = None,
+        additional_config: dict | None = None,
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        extra_args: list[str] | None = None,
+        startup_timeout_s: float = 600,
+        log_path: str | None = None,
+    ):
+        self.model = model
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = log_path or tempfile.mkstemp(prefix="specplugin-server-", suffix=".log")[1]
+        self.args = [
+            sys.executable, "-m", "vllm_specplugin.cli", "serve", model,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--gpu-memory-utilization", os.environ.get("SPECPLUGIN_GPU_MEMORY_UTILIZATION", "0.3"),
+            "--seed", "0",
+        ]
+        if speculative_config:
+            self.args += ["--speculative-config", json.dumps(speculative_config)]
+        if additional_config:
+            self.args += ["--additional-config", json.dumps(additional_config)]
+        self.args += extra_args or []
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> VllmServer:
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            self.args, cwd=REPO_ROOT, env=engine_env(), stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerStartError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1)
+        raise ServerStartError(f"server not healthy after {self.startup_timeout_s} s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.process is None or self.process.poll() is not None:
+            self._close_log()
+            return
+        pgid = os.getpgid(self.process.pid)
+        os.killpg(pgid, signal.SIGINT)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.process.wait()
+        # Engine-core and worker children share the group; make sure none outlive the server.
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._close_log()
+
+    def _close_log(self) -> None:
+        log = getattr(self, "_log", None)
+        if log is not None and not log.closed:
+            log.close()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            with open(self.log_path) as f:
+                return f.read()[-chars:]
+        except OSError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples from /metrics whose name starts with ``vllm:spec_decode``."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return parse_prometheus(text, prefix="vllm:spec_decode")
+
+
+def parse_prometheus(text: str, prefix: str = "") -> dict[str, float]:
+    """'name{labels} value' lines -> {'name{labels}': value}; comments skipped."""
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#") or not line.startswith(prefix):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            samples[key] = float(value)
+        except ValueError:
+            continue
+    return samples
+
+
+def metric_total(samples: dict[str, float], name: str) -> float:
+    """Sum of a metric over all its label sets (e.g. over model_name/engine labels)."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
