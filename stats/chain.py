@@ -101,7 +101,8 @@ def _apply_holm(nodes: list[NodeResult]) -> list[NodeResult]:
 
 def chain_test(samples, conditional: Conditional, method: str = "pearson", *,
                min_expected: float = 5.0, williams: bool = True,
-               max_depth: int | None = None, min_node_samples: int = 10, max_nodes: int | None = None,
+               max_depth: int | None = None, min_node_samples: int = 10,
+               max_nodes: int | None = None,
                tv_ci: bool = True, n_boot: int = 200, confidence: float = 0.95,
                seed=0) -> ChainResult:
     """Test sampled continuations ``samples`` (shape ``(N, m)``) node by node.

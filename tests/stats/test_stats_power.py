@@ -53,7 +53,8 @@ def test_sample_size_validation():
         sample_size_for_tv(0.1, 5, alpha=0.5, power=0.4)
 
 
-dists = arrays(np.float64, st.integers(2, 80), elements=st.floats(1e-3, 1.0)).map(lambda a: a / a.sum())
+dists = arrays(np.float64, st.integers(2, 80),
+               elements=st.floats(1e-3, 1.0)).map(lambda a: a / a.sum())
 
 
 @settings(max_examples=200, deadline=None, database=None)

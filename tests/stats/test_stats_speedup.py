@@ -54,6 +54,7 @@ def test_empirical_acceptance_hand():
         empirical_acceptance([4], gamma=3)
 
 
+@pytest.mark.statistical
 def test_empirical_acceptance_recovers_alpha():
     # i.i.d. acceptance, alpha=0.7, gamma=4, 20000 steps; check within 4 SE
     # (a false failure has probability ~6e-5).

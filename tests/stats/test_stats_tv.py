@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from sources import zipf_probs
+from stats_sources import zipf_probs
 from stats import probability_bins, tv_distance, tv_estimate
 
 
@@ -33,6 +33,7 @@ def test_tv_seeded_and_deterministic():
     assert (a.ci_low, a.ci_high) == (b.ci_low, b.ci_high)
 
 
+@pytest.mark.statistical
 def test_plugin_upward_bias_documented():
     # Exact sampling (true TV 0): category-level plug-in is far above 0 for
     # sparse tails; bins are much less biased; debiasing shrinks it.
@@ -58,6 +59,7 @@ def _coverage(v, n, mix, reps=200):
     return upper, both
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("v,n,mix", [(8, 500, 0.2), (64, 5000, 0.2), (64, 5000, 0.0)])
 def test_tv_ci_upper_end_is_conservative(v, n, mix):
     # The 97.5% upper end, as an upper confidence bound: nominal >= 0.975.
@@ -67,6 +69,7 @@ def test_tv_ci_upper_end_is_conservative(v, n, mix):
     assert upper >= 0.93
 
 
+@pytest.mark.statistical
 def test_tv_ci_two_sided_coverage_finding():
     # FINDING (documented, not hidden): with many bins at small expected counts
     # the plug-in bias dominates and the percentile interval sits above the

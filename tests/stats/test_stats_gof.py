@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 from scipy import stats as sst
 
-from sources import zipf_probs
+from stats_sources import zipf_probs
 from stats import counts_from_samples, gof_test, probability_bins, williams_q
 
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from scipy import stats as sst
 
-from sources import zipf_probs
+from stats_sources import zipf_probs
 from stats import homogeneity_test
 
 
@@ -34,6 +34,7 @@ def test_homogeneity_sequences_and_untestable():
     assert not homogeneity_test([], [1, 2]).testable
 
 
+@pytest.mark.statistical
 def test_homogeneity_calibrated_and_powerful():
     # Null: 1000 seeded replications, KS against U(0,1) at alpha=0.001
     # (detects a CDF deviation of ~0.06 with power > 0.9). Measured: KS p 0.19,

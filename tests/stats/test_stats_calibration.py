@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from scipy import stats as sst
 
-from sources import MarkovSource, worst_case_alternative, zipf_probs
+from stats_sources import MarkovSource, worst_case_alternative, zipf_probs
 from stats import (chain_test, chisquare_power, cohens_w, gof_test, probability_bins,
                    sample_size_for_tv, tv_distance)
+
+pytestmark = pytest.mark.statistical
 
 KS_ALPHA = 0.001
 P0 = zipf_probs(512)
@@ -105,5 +107,6 @@ def test_fault_detected_at_suggested_sample_size():
     C = np.random.default_rng(31).multinomial(n, p1, size=200)
     for method in ("pearson", "g"):
         rate = np.mean([gof_test(c, P0, method).pvalue < alpha for c in C])
-        print(f"fault {method}: N={n} df={df} w={cohens_w(b.bin_probs, b1):.4f} rejected {rate:.3f}")
+        w = cohens_w(b.bin_probs, b1)
+        print(f"fault {method}: N={n} df={df} w={w:.4f} rejected {rate:.3f}")
         assert rate >= 0.95

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from scipy import stats as sst
 
-from sources import MarkovSource
+from stats_sources import MarkovSource
 from stats import chain_test, combine_chain_results, gof_test
 
 
@@ -104,6 +104,7 @@ def test_combine_chain_results():
         combine_chain_results([rs[0], chain_test(np.zeros((20, 1), int), src.conditional, "g")])
 
 
+@pytest.mark.statistical
 def test_chain_detects_perturbed_conditional():
     # Sampler wrong only after token 3 (row moved: TV 0.128, w 0.57). N=3000,
     # alpha=0.01. Node (3,) gets ~1000 samples -> noncentrality ~330 on 5 df,
