@@ -15,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from verification.checkpoints import make_random_llama
-from verification.drivers import REPO_ROOT, SamplingConfig, run_offline
+from verification.drivers import REPO_ROOT, GenerationTask, SamplingConfig, run_offline
 
 SPEC = {
     "method": "custom_class",
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     for label, spec, repair in tqdm(runs, desc="engine runs", unit="run"):
         t0 = time.perf_counter()
         result = run_offline(
-            model, [[5, 9, 17, 33, 65]], sampling, speculative_config=spec,
+            model, [GenerationTask([[5, 9, 17, 33, 65]], sampling)], speculative_config=spec,
             additional_config={"specplugin": {"cpu_sampler_repair": repair}},
-        )
+        ).tasks[0]
         tokens = np.asarray(result.outputs[0])
         repeat = float((tokens[:, 1:] == tokens[:, :-1]).mean())
         m = result.spec_decode_metrics

@@ -25,12 +25,25 @@ class SamplingConfig:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class GenerationTask:
+    """Sample ``sampling.n`` continuations of each prompt (token ids)."""
+
+    prompts: list[list[int]]
+    sampling: SamplingConfig
+
+
+@dataclass
+class TaskResult:
+    outputs: list[list[list[int]]]  # [prompt][sample][token]
+    generate_s: float
+    spec_decode_metrics: dict = field(default_factory=dict)  # counters accrued by this task
+
+
 @dataclass
 class EngineRun:
-    outputs: list[list[list[int]]]  # [prompt][sample][token]
     startup_s: float
-    generate_s: float
-    spec_decode_metrics: dict = field(default_factory=dict)
+    tasks: list[TaskResult]
 
 
 class EngineJobError(RuntimeError):
@@ -48,8 +61,7 @@ def engine_env() -> dict:
 
 def run_offline(
     model: str,
-    prompts: list[list[int]],
-    sampling: SamplingConfig,
+    tasks: list[GenerationTask],
     *,
     speculative_config: dict | None = None,
     additional_config: dict | None = None,
@@ -57,12 +69,12 @@ def run_offline(
     max_model_len: int = 512,
     timeout_s: float = 900,
     log_path: str | None = None,
+    extra_env: dict | None = None,
 ) -> EngineRun:
-    """Sample ``sampling.n`` continuations of each prompt with a fresh vLLM engine process."""
+    """Run ``tasks`` on one fresh vLLM engine, in its own process."""
     job = dict(
         model=model,
-        prompts=prompts,
-        sampling=sampling.as_dict(),
+        tasks=[{"prompts": t.prompts, "sampling": t.sampling.as_dict()} for t in tasks],
         speculative_config=speculative_config,
         additional_config=additional_config or {},
         dtype=dtype,
@@ -78,7 +90,7 @@ def run_offline(
             proc = subprocess.run(
                 [sys.executable, "-m", "verification.engine_job", job_path, out_path],
                 cwd=REPO_ROOT,
-                env=engine_env(),
+                env={**engine_env(), **(extra_env or {})},
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 timeout=timeout_s,
@@ -91,4 +103,6 @@ def run_offline(
             raise EngineJobError(f"vLLM job failed (exit {proc.returncode}):\n{tail}")
         with open(out_path) as f:
             result = json.load(f)
-    return EngineRun(**result)
+    return EngineRun(
+        startup_s=result["startup_s"], tasks=[TaskResult(**t) for t in result["tasks"]]
+    )

@@ -1,7 +1,7 @@
-"""Run one offline vLLM generation job in its own process and write the sampled token ids.
+"""Run one offline vLLM engine for a list of generation tasks and write the sampled token ids.
 
-Each job gets a fresh process: vLLM's kernel registry and engine state are per process, and
-a fresh process frees all memory when it ends. Usage (internal; see ``drivers.py``):
+Each job gets a fresh process: vLLM's kernel registry and engine state are per process, and a
+fresh process frees all memory when it ends. Internal; see ``drivers.run_offline``:
 ``python -m verification.engine_job JOB.json OUT.json``.
 """
 
@@ -10,6 +10,27 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+
+def _spec_decode_counters(llm) -> dict:
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            value = getattr(metric, "value", None)
+            counters[metric.name] = value if value is not None else list(getattr(metric, "values", []))
+    return counters
+
+
+def _difference(after: dict, before: dict) -> dict:
+    diff = {}
+    for name, value in after.items():
+        old = before.get(name)
+        if isinstance(value, list):
+            old = old or [0] * len(value)
+            diff[name] = [a - b for a, b in zip(value, old)]
+        else:
+            diff[name] = value - (old or 0)
+    return diff
 
 
 def run(job: dict) -> dict:
@@ -29,37 +50,34 @@ def run(job: dict) -> dict:
         max_num_seqs=job.get("max_num_seqs", 256),
         disable_log_stats=False,
     )
-    t_start = time.perf_counter() - t0
-    sp = job["sampling"]
-    outputs_per_prompt = []
-    t1 = time.perf_counter()
-    for prompt_index, prompt in enumerate(job["prompts"]):
-        params = SamplingParams(
-            n=sp["n"],
-            temperature=sp["temperature"],
-            top_k=sp.get("top_k", 0) or -1,
-            top_p=sp.get("top_p", 1.0),
-            max_tokens=sp["max_tokens"],
-            min_tokens=sp["max_tokens"],
-            ignore_eos=True,
-            seed=None if sp.get("seed") is None else sp["seed"] + prompt_index,
+    startup_s = time.perf_counter() - t0
+    tasks = []
+    for task in job["tasks"]:
+        sp = task["sampling"]
+        before = _spec_decode_counters(llm)
+        t1 = time.perf_counter()
+        outputs = []
+        for prompt_index, prompt in enumerate(task["prompts"]):
+            params = SamplingParams(
+                n=sp["n"],
+                temperature=sp["temperature"],
+                top_k=sp.get("top_k", 0) or -1,
+                top_p=sp.get("top_p", 1.0),
+                max_tokens=sp["max_tokens"],
+                # ignore_eos alone: min_tokens would mask EOS and change the distribution.
+                ignore_eos=True,
+                seed=None if sp.get("seed") is None else sp["seed"] + prompt_index,
+            )
+            result = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+            outputs.append([list(c.token_ids) for c in result.outputs])
+        tasks.append(
+            {
+                "outputs": outputs,
+                "generate_s": time.perf_counter() - t1,
+                "spec_decode_metrics": _difference(_spec_decode_counters(llm), before),
+            }
         )
-        result = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-        outputs_per_prompt.append([list(c.token_ids) for c in result.outputs])
-    t_gen = time.perf_counter() - t1
-    metrics = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode"):
-            value = getattr(metric, "value", None)
-            if value is None:
-                value = getattr(metric, "values", None)
-            metrics[metric.name] = value
-    return {
-        "outputs": outputs_per_prompt,
-        "startup_s": t_start,
-        "generate_s": t_gen,
-        "spec_decode_metrics": metrics,
-    }
+    return {"startup_s": startup_s, "tasks": tasks}
 
 
 def main() -> None:

@@ -17,6 +17,11 @@ _MARK = "_specplugin_wrapped"
 
 def install() -> None:
     _wrap_engine_config_validation()
+    from vllm_specplugin import faults
+
+    fault = faults.requested_fault()
+    if fault is not None:
+        faults.install(fault)
     if not version.is_tested_version():
         log_once(
             "warning",

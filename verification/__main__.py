@@ -1,0 +1,3 @@
+from verification.cli import main
+
+main()
