@@ -14,10 +14,27 @@ def random_target(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def peaked_target(tmp_path_factory) -> str:
+    """As random_target with LM-head scale 15: max p 0.3-0.5, entropy ~2.6 nats, like real LMs.
+
+    The statistical tests use it: near-uniform distributions make sparse bins and weak tests.
+    """
+    return str(make_random_llama(tmp_path_factory.mktemp("models") / "peaked-target", logit_scale=15.0, seed=0))
+
+
+@pytest.fixture(scope="session")
+def peaked_draft(tmp_path_factory) -> str:
+    """peaked_target's weights with LM-head scale 10.5 (0.7x): acceptance sum min(p, q) ~0.72."""
+    return str(make_random_llama(tmp_path_factory.mktemp("models") / "peaked-draft", logit_scale=10.5, seed=0))
+
+
+@pytest.fixture(scope="session")
 def random_draft(tmp_path_factory) -> str:
-    """1-layer draft with the target's vocabulary and different weights."""
+    """The target's weights with a flatter LM head (scale 2.5 instead of 4): q close to p but not p.
+
+    A high acceptance rate makes every accept/reject fault visible; a random unrelated draft
+    accepts ~3% of drafts here, which hides faults in the acceptance rule.
+    """
     return str(
-        make_random_llama(
-            tmp_path_factory.mktemp("models") / "draft", num_layers=1, logit_scale=3.0, seed=1
-        )
+        make_random_llama(tmp_path_factory.mktemp("models") / "draft", logit_scale=2.5, seed=0)
     )

@@ -18,7 +18,7 @@ from scipy import stats as scipy_stats
 from tqdm import tqdm
 
 import stats
-from verification.drivers import GenerationTask, SamplingConfig, run_offline
+from verification.drivers import GenerationTask, SamplingConfig, run_http, run_offline
 from verification.reference import ProcessedConditionals, TargetReference
 
 
@@ -51,6 +51,7 @@ class CheckReport:
     speculative_config: dict | None
     additional_config: dict | None
     injected_fault: str | None
+    driver: str
     alpha: float
     delta: float
     method: str
@@ -91,7 +92,7 @@ class CheckReport:
             "",
             f"model: {self.model}",
             f"speculative config: {spec}",
-            f"injected fault: {self.injected_fault or 'none'}",
+            f"injected fault: {self.injected_fault or 'none'}; driver: {self.driver}",
             f"alpha {self.alpha} per suite (Holm over {len(self.cases)} cases), {self.method} chi-square, "
             f"power@{self.delta:g}: first-token power to detect a binned TV >= {self.delta:g}",
             f"engine start-up {self.startup_s:.1f} s, wall time {self.wall_s:.1f} s",
@@ -202,14 +203,22 @@ def run_check(
     method: str = "pearson",
     reference: TargetReference | None = None,
     max_model_len: int = 512,
+    driver: str = "offline",
     progress: bool = True,
 ) -> CheckReport:
-    """Sample every config from one engine, then test each against the exact reference."""
+    """Sample every config from one engine, then test each against the exact reference.
+
+    ``driver``: "offline" (``LLM.generate`` in a fresh process) or "http" (the real
+    OpenAI-compatible server on 127.0.0.1).
+    """
+    drivers = {"offline": run_offline, "http": run_http}
+    if driver not in drivers:
+        raise ValueError(f"driver must be one of {sorted(drivers)}, got {driver!r}")
     t0 = time.perf_counter()
     extra_env = {"SPECPLUGIN_INJECT_FAULT": injected_fault} if injected_fault else None
     with tqdm(total=len(samplings) + 1, desc="exactness check", unit="step", disable=not progress) as bar:
-        bar.set_postfix_str("sampling from vLLM")
-        run = run_offline(
+        bar.set_postfix_str(f"sampling from vLLM ({driver})")
+        run = drivers[driver](
             model,
             [GenerationTask([list(p) for p in prompts], s) for s in samplings],
             speculative_config=speculative_config,
@@ -234,6 +243,6 @@ def run_check(
     )
     return CheckReport(
         model=model, speculative_config=speculative_config, additional_config=additional_config,
-        injected_fault=injected_fault, alpha=alpha, delta=delta, method=method, cases=cases,
+        injected_fault=injected_fault, driver=driver, alpha=alpha, delta=delta, method=method, cases=cases,
         startup_s=run.startup_s, wall_s=time.perf_counter() - t0,
     )

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=["pearson", "g"], default="pearson")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--driver", choices=["offline", "http"], default="offline",
+                        help="offline: LLM.generate in a fresh process; http: the real OpenAI server on 127.0.0.1")
     parser.add_argument("--json", dest="json_path", help="write the report as JSON here")
     return parser
 
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     report = run_check(
         args.model, samplings, prompts, speculative_config=args.speculative_config,
         additional_config=args.additional_config, alpha=args.alpha, delta=args.delta,
-        method=args.method, max_model_len=args.max_model_len,
+        method=args.method, max_model_len=args.max_model_len, driver=args.driver,
     )
     print(report.format_table())
     if args.json_path:

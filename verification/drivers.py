@@ -106,3 +106,65 @@ def run_offline(
     return EngineRun(
         startup_s=result["startup_s"], tasks=[TaskResult(**t) for t in result["tasks"]]
     )
+
+
+def run_http(
+    model: str,
+    tasks: list[GenerationTask],
+    *,
+    speculative_config: dict | None = None,
+    additional_config: dict | None = None,
+    dtype: str = "float32",
+    max_model_len: int = 512,
+    extra_env: dict | None = None,
+    max_n_per_request: int = 500,
+) -> EngineRun:
+    """Run ``tasks`` against the real OpenAI-compatible server (logprobs off, token ids on)."""
+    import time
+
+    from openai import OpenAI
+
+    from verification.server import VllmServer
+
+    t0 = time.perf_counter()
+    server = VllmServer(model, speculative_config=speculative_config, additional_config=additional_config,
+                        dtype=dtype, max_model_len=max_model_len, extra_env=extra_env)
+    with server:
+        startup_s = time.perf_counter() - t0
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=600)
+        results = []
+        for task in tasks:
+            sp = task.sampling
+            before = server.metrics()
+            t1 = time.perf_counter()
+            outputs = []
+            for prompt_index, prompt in enumerate(task.prompts):
+                samples: list[list[int]] = []
+                while len(samples) < sp.n:
+                    n = min(max_n_per_request, sp.n - len(samples))
+                    seed = None if sp.seed is None else sp.seed + prompt_index + 1000 * len(samples)
+                    completion = client.completions.create(
+                        model=model, prompt=prompt, n=n, max_tokens=sp.max_tokens,
+                        temperature=sp.temperature, top_p=sp.top_p, seed=seed, logprobs=None,
+                        extra_body={"top_k": sp.top_k or -1, "ignore_eos": True, "return_token_ids": True},
+                    )
+                    samples += [list(choice.token_ids) for choice in completion.choices]
+                outputs.append(samples)
+            after = server.metrics()
+            results.append(TaskResult(
+                outputs=outputs, generate_s=time.perf_counter() - t1,
+                spec_decode_metrics=_http_counter_difference(after, before),
+            ))
+    return EngineRun(startup_s=startup_s, tasks=results)
+
+
+def _http_counter_difference(after: dict, before: dict) -> dict:
+    """Prometheus totals -> the offline driver's counter names, accrued between two scrapes."""
+    from verification.server import metric_total
+
+    names = {
+        "vllm:spec_decode_num_drafts": "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
+    }
+    return {short: metric_total(after, full) - metric_total(before, full) for short, full in names.items()}

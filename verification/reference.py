@@ -17,7 +17,7 @@ from verification.algorithm import process_logits
 class TargetReference:
     """A checkpoint loaded with transformers in float32, for teacher-forced next-token logits."""
 
-    def __init__(self, model_path: str, batch_size: int = 64):
+    def __init__(self, model_path: str, batch_size: int = 512):
         import torch
         from transformers import AutoModelForCausalLM
 

@@ -44,7 +44,9 @@ class VllmServer:
         extra_args: list[str] | None = None,
         startup_timeout_s: float = 600,
         log_path: str | None = None,
+        extra_env: dict | None = None,
     ):
+        self.extra_env = extra_env or {}
         self.model = model
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -67,7 +69,7 @@ class VllmServer:
     def __enter__(self) -> VllmServer:
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            self.args, cwd=REPO_ROOT, env=engine_env(), stdout=self._log,
+            self.args, cwd=REPO_ROOT, env={**engine_env(), **self.extra_env}, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True,
         )
         try:

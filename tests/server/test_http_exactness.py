@@ -1,0 +1,25 @@
+"""The exactness check through the real HTTP server (OpenAI API, token ids on, logprobs off)."""
+
+from __future__ import annotations
+
+import pytest
+
+from verification.check import random_prompts, run_check
+from verification.drivers import SamplingConfig
+
+pytestmark = [pytest.mark.server, pytest.mark.statistical]
+
+ALPHA = 0.01  # one case; power at TV 0.1 is asserted below
+
+
+def test_http_driver_plugin_proposer_is_exact(peaked_target):
+    spec = {"method": "custom_class", "model": "vllm_specplugin.adapters.RepeatLastTokenProposer",
+            "num_speculative_tokens": 3}
+    sampling = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, max_tokens=3, n=2000, seed=0)
+    report = run_check(peaked_target, [sampling], random_prompts(512, 2, seed=1), speculative_config=spec,
+                       driver="http", alpha=ALPHA, progress=False)
+    print("\n" + report.format_table())
+    (case,) = report.cases
+    assert case.acceptance_rate is not None  # counters read from /metrics
+    assert case.power_at_delta >= 0.99
+    assert report.passed, case
