@@ -38,6 +38,7 @@ class CaseReport:
     n_nodes: int
     impossible_count: int
     worst_node: dict  # position, prefix, n, pvalue_holm, tv, tv_ci
+    node_pvalues: tuple[float, ...]  # raw p-value of every testable node (uniform under H0)
     power_at_delta: float  # min over prompts: first-token power to detect binned TV >= delta
     power_at_observed: float  # power at the effect size the statistic implies (lambda = X2 - df)
     acceptance_rate: float | None  # accepted / drafted tokens, from vLLM's counters
@@ -175,6 +176,7 @@ def analyse(
         n_nodes=len(testable),
         impossible_count=int(combined.impossible_count),
         worst_node=worst_node,
+        node_pvalues=tuple(float(n.pvalue) for n in combined.nodes if n.testable),
         power_at_delta=min(finite_powers) if finite_powers else float("nan"),
         power_at_observed=_power_at_observed(combined.statistic, combined.df, alpha),
         acceptance_rate=acceptance_rate,

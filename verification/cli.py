@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--driver", choices=["offline", "http"], default="offline",
                         help="offline: LLM.generate in a fresh process; http: the real OpenAI server on 127.0.0.1")
     parser.add_argument("--json", dest="json_path", help="write the report as JSON here")
+    parser.add_argument("--plot", dest="plot_path", help="write a PNG: node p-values vs uniform, Holm p per case")
     return parser
 
 
@@ -87,6 +88,11 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json_path, "w") as f:
             f.write(report.to_json())
         print(f"report written to {args.json_path}")
+    if args.plot_path:
+        from verification.plots import plot_report
+
+        plot_report(report, {c.name: list(c.node_pvalues) for c in report.cases}, args.plot_path)
+        print(f"plot written to {args.plot_path}")
     sys.exit(0 if report.passed else 1)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from verification.drivers import SamplingConfig, run_offline
+from verification.drivers import GenerationTask, SamplingConfig, run_offline
 
 pytestmark = pytest.mark.engine
 
@@ -31,12 +31,12 @@ def repeat_rate(samples: list[list[int]]) -> float:
 def run(model: str, speculative_config: dict, repair: str) -> float:
     result = run_offline(
         model,
-        [PROMPT],
-        SAMPLING,
+        [GenerationTask([PROMPT], SAMPLING)],
         speculative_config=speculative_config,
         additional_config={"specplugin": {"cpu_sampler_repair": repair}},
     )
-    samples = result.outputs[0]
+    samples = result.tasks[0].outputs[0]
+    assert result.tasks[0].spec_decode_metrics["vllm:spec_decode_num_drafts"] > 0
     assert len(samples) == SAMPLING.n and all(len(s) == SAMPLING.max_tokens for s in samples)
     return repeat_rate(samples)
 
