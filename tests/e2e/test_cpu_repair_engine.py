@@ -17,10 +17,10 @@ pytestmark = pytest.mark.engine
 
 PROMPT = [5, 9, 17, 33, 65]
 SAMPLING = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, max_tokens=16, n=256, seed=0)
-# Plain decoding measures ~0.003 here (3840 token pairs); 0.02 leaves room for noise, and the
-# bug's rate is far above 0.3.
+# Plain decoding measures ~0.003 here (3840 token pairs); 0.02 leaves room for noise. With the
+# bug the rate read garbage memory and measured 0.58-0.96 in this session; 0.1 is 30x plain.
 FIXED_BOUND = 0.02
-BROKEN_BOUND = 0.3
+BROKEN_BOUND = 0.1
 
 
 def repeat_rate(samples: list[list[int]]) -> float:
@@ -56,11 +56,11 @@ def test_custom_class_proposer(random_target, repair, broken):
 
 
 @pytest.mark.parametrize("repair,broken", [("off", True), ("auto", False)])
-def test_builtin_draft_model_method(random_target, random_draft, repair, broken):
+def test_builtin_draft_model_method(random_target, unrelated_draft, repair, broken):
     """vLLM's own draft_model method with probabilistic drafts is fixed by the same repair."""
     spec = {
         "method": "draft_model",
-        "model": random_draft,
+        "model": unrelated_draft,
         "num_speculative_tokens": 3,
         "draft_sample_method": "probabilistic",
     }
