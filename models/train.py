@@ -34,6 +34,7 @@ class Spec:
     batch: int = 16
     seq: int = 256
     objective: str = "ce"  # "ce" (next-token cross-entropy) or "kl" (distill from target)
+    init_from: str = ""  # start from this (already built) model's weights instead of random
     role: str = "draft"
     note: str = ""
 
@@ -99,9 +100,11 @@ def batches(stream: torch.Tensor, spec: Spec, steps: int):
         yield stream[idx].long()
 
 
-def train(spec: Spec, tok, stream: torch.Tensor, teacher=None, log=print) -> tuple:
-    """Train one model per ``spec``; returns (model, stats dict)."""
+def train(spec: Spec, tok, stream: torch.Tensor, teacher=None, init=None, log=print) -> tuple:
+    """Train one model per ``spec`` (from ``init``'s weights if given); returns (model, stats)."""
     model = build_model(spec, tok)
+    if init is not None:
+        model.load_state_dict({k: v.float() for k, v in init.state_dict().items()})
     model.train()
     steps = max(1, spec.tokens // (spec.batch * spec.seq))
     warmup = max(1, min(200, steps // 10))

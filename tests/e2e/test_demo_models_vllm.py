@@ -1,0 +1,42 @@
+"""The shipped demo model family loads and serves in vLLM (CPU) with the plugin's repair."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from verification.drivers import REPO_ROOT, GenerationTask, SamplingConfig, run_offline
+
+pytestmark = pytest.mark.engine
+
+DEMO = os.path.join(REPO_ROOT, "models", "demo")
+DRAFTS = ("draft-tiny", "draft-small", "draft-distill")
+
+
+def code_prompt() -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(DEMO, "target"))
+    return tokenizer("def read_config(path):\n    with open(path) as f:\n")["input_ids"]
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_target_with_each_draft_serves(draft):
+    """Target + one draft through vLLM's draft_model method: every model of the family loads."""
+    sampling = SamplingConfig(temperature=0.0, max_tokens=24, n=1, seed=0)
+    run = run_offline(
+        os.path.join(DEMO, "target"),
+        [GenerationTask([code_prompt()], sampling)],
+        speculative_config={"method": "draft_model", "model": os.path.join(DEMO, draft),
+                            "num_speculative_tokens": 3},
+        dtype="bfloat16",
+        max_model_len=1024,
+    )
+    task = run.tasks[0]
+    (tokens,) = task.outputs[0]
+    assert len(tokens) == 24
+    metrics = task.spec_decode_metrics
+    assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
+    # A trained draft agrees with the trained target well above chance (1/4096) at T = 0.
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_draft_tokens"] > 0.2
