@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         accepted = m.get("vllm:spec_decode_num_accepted_tokens", 0)
         rows.append((label, repeat, drafted, accepted, result.generate_s, time.perf_counter() - t0))
 
-    print(f"\nTemperature 1.0, {args.samples} samples x {args.tokens} tokens, random peaked 512-token Llama")
+    print(f"\nTemperature 1.0, {args.samples} samples x {args.tokens} tokens, random 512-token Llama")
     print(f"{'run':32s} {'repeat rate':>12s} {'drafted':>8s} {'accepted':>9s} {'gen s':>6s} {'wall s':>7s}")
     for label, repeat, drafted, accepted, gen_s, wall_s in rows:
         print(f"{label:32s} {repeat:12.4f} {drafted:8.0f} {accepted:9.0f} {gen_s:6.1f} {wall_s:7.1f}")
