@@ -24,6 +24,12 @@ SPEC = {
 }
 
 
+def repeat_rate(samples) -> float:
+    """Fraction of consecutive token pairs that repeat: the expand bug's symptom."""
+    tokens = np.asarray(samples)
+    return float((tokens[:, 1:] == tokens[:, :-1]).mean())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=256, help="continuations per run (default 256)")
@@ -45,8 +51,7 @@ def main(argv: list[str] | None = None) -> None:
             model, [GenerationTask([[5, 9, 17, 33, 65]], sampling)], speculative_config=spec,
             additional_config={"specplugin": {"cpu_sampler_repair": repair}},
         ).tasks[0]
-        tokens = np.asarray(result.outputs[0])
-        repeat = float((tokens[:, 1:] == tokens[:, :-1]).mean())
+        repeat = repeat_rate(result.outputs[0])
         m = result.spec_decode_metrics
         drafted = m.get("vllm:spec_decode_num_draft_tokens", 0)
         accepted = m.get("vllm:spec_decode_num_accepted_tokens", 0)

@@ -8,9 +8,9 @@ which here repeats the last token: measured 0.96 with the repair off.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
+from verification.demo import repeat_rate
 from verification.drivers import GenerationTask, SamplingConfig, run_offline
 
 pytestmark = pytest.mark.engine
@@ -21,11 +21,6 @@ SAMPLING = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, max_tokens=16, n=
 # bug the rate read garbage memory and measured 0.58-0.96 in this session; 0.1 is 30x plain.
 FIXED_BOUND = 0.02
 BROKEN_BOUND = 0.1
-
-
-def repeat_rate(samples: list[list[int]]) -> float:
-    tokens = np.asarray(samples)
-    return float((tokens[:, 1:] == tokens[:, :-1]).mean())
 
 
 def run(model: str, speculative_config: dict, repair: str) -> float:
