@@ -1,17 +1,18 @@
-"""A draft model with per-request KV caches, for drafting γ tokens at a time.
+"""A draft model with per-request KV caches, drafting for a whole batch of requests at once.
 
 Each request keeps its own cache across steps, so a step forwards only the tokens that are new
-since the last one; tokens the target rejected are rolled back by cropping the cache to the
-longest prefix shared with the request's current context. Caches live within a memory budget
-with least-recently-used eviction (an evicted request just re-prefills next time).
-
-Not yet here: batching several requests into one forward per draft step (each request is
-forwarded on its own), and sharing caches across requests with a common prefix.
+since the last one; tokens the target rejected are rolled back by cutting the cache to the
+longest prefix shared with the request's current context. A draft step runs every drafting
+request in one forward: the caches are left-padded into one batch and a 4-D attention mask
+hides the padding (lengths are ragged, so there are holes between a row's cache and its new
+tokens). Caches live within a memory budget with least-recently-used eviction; an evicted
+request just re-prefills next time.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,10 @@ from proposers.sampling import SamplingParams, processed_probs, sample
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# A row with more new tokens than this (a fresh prompt, a re-prefill after eviction) is forwarded
+# on its own first, so that one long prompt does not pad every other row of the batch.
+SOLO_PREFILL_THRESHOLD = 16
 
 
 class DraftModelError(ValueError):
@@ -39,9 +44,17 @@ class Draft:
 
 @dataclass
 class _RequestCache:
-    cached_tokens: list[int] = field(default_factory=list)  # tokens whose K/V are in the cache
-    past_key_values: object | None = None
+    cached_tokens: list[int] = field(default_factory=list)  # tokens whose K/V are in `layers`
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # [heads, len, dim]
     nbytes: int = 0
+
+
+def load_causal_lm(path: str, dtype: str, device: str):
+    from transformers import AutoModelForCausalLM
+
+    # sdpa takes the custom boolean 4-D masks the batched forward needs.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    return model.to(device).eval()
 
 
 class DraftRuntime:
@@ -57,9 +70,7 @@ class DraftRuntime:
         device: str = "cpu",
         memory_budget_mb: float = 512,
     ):
-        import os
-
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise DraftModelError(f"draft model {path!r}: no config.json there (a local checkpoint directory is needed)")
@@ -70,14 +81,16 @@ class DraftRuntime:
                 f"{target_vocab_size}: drafts must share the target's tokenizer"
             )
         self.path = path
+        self.name = os.path.basename(os.path.normpath(path))
         self.vocab_size = config.vocab_size
         self.max_length = int(getattr(config, "max_position_embeddings", 2048))
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(self.device).eval()
+        self.model = load_causal_lm(path, dtype, device)
         self.memory_budget_bytes = int(memory_budget_mb * 2**20)
         self._caches: OrderedDict[str, _RequestCache] = OrderedDict()
         self._too_long_logged: set[str] = set()
-        self.tokens_forwarded = 0  # all tokens run through the model, for cost accounting
+        self.tokens_forwarded = 0  # real (unpadded) tokens run through the model, for cost accounting
+        self.forward_calls = 0
         self.evictions = 0
 
     # -- request lifecycle -----------------------------------------------------------------
@@ -88,6 +101,10 @@ class DraftRuntime:
         self._too_long_logged.discard(request_id)
 
     @property
+    def request_ids(self) -> list[str]:
+        return list(self._caches)
+
+    @property
     def num_cached_requests(self) -> int:
         return len(self._caches)
 
@@ -95,9 +112,85 @@ class DraftRuntime:
     def cache_bytes(self) -> int:
         return sum(c.nbytes for c in self._caches.values())
 
-    # -- drafting --------------------------------------------------------------------------
+    def room(self, request_id: str, context_length: int, gamma: int) -> int:
+        """Draft tokens that fit after the context within the draft's maximum length.
+
+        Says once per request, in the log, when nothing fits (the request then decodes plainly).
+        """
+        room = max(0, min(gamma, self.max_length - context_length))
+        if room == 0 and gamma > 0 and request_id not in self._too_long_logged:
+            self._too_long_logged.add(request_id)
+            logger.warning(
+                "request %s: context of %d tokens reaches the draft model's maximum length %d "
+                "(%s); proposing no draft tokens for it (plain decoding continues).",
+                request_id, context_length, self.max_length, self.path,
+            )
+        return room
+
+    # -- batched forwards ------------------------------------------------------------------
+
+    def open_batch(self, request_ids: Sequence[str], contexts: Sequence[Sequence[int]]) -> DraftBatch:
+        """Bring each request's cache up to its context; the batch's ``logits`` are the next-token
+        logits after each context. Extend with :meth:`DraftBatch.extend`, then ``close()``."""
+        return DraftBatch(self, list(request_ids), [list(c) for c in contexts])
+
+    def _take_cache(self, request_id: str) -> _RequestCache:
+        cache = self._caches.pop(request_id, None) or _RequestCache()
+        self._caches[request_id] = cache  # most recently used last
+        return cache
+
+    def _enforce_budget(self) -> None:
+        while self.cache_bytes > self.memory_budget_bytes and len(self._caches) > 1:
+            self._caches.popitem(last=False)
+            self.evictions += 1
 
     @torch.no_grad()
+    def _forward_padded(self, layers, valid: torch.Tensor, input_ids, positions):
+        """One forward of ``input_ids`` [B, n] on top of padded caches ``layers`` (None: empty).
+
+        ``valid`` [B, past + n] marks real positions. Returns logits [B, n, V] and the new layers.
+        """
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        past = 0
+        if layers is not None:
+            for index, (keys, values) in enumerate(layers):
+                cache.update(keys, values, index)
+            past = layers[0][0].shape[2]
+        n = input_ids.shape[1]
+        query_columns = torch.arange(past, past + n, device=self.device)
+        key_columns = torch.arange(past + n, device=self.device)
+        causal = key_columns[None, :] <= query_columns[:, None]  # [n, past + n]
+        mask = causal[None] & valid[:, None, :]
+        # A padding query sees at least itself, so no softmax row is empty (no NaN).
+        mask[:, torch.arange(n), query_columns] = True
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=mask[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        self.forward_calls += 1
+        new_layers = [(layer.keys, layer.values) for layer in cache.layers]
+        return out.logits.float(), new_layers
+
+    @torch.no_grad()
+    def _prefill_alone(self, cache: _RequestCache, tokens: list[int]) -> None:
+        """Forward ``tokens`` for one request outside the batch (long prompts)."""
+        layers = [(k[None], v[None]) for k, v in cache.layers] or None
+        past = len(cache.cached_tokens)
+        valid = torch.ones(1, past + len(tokens), dtype=torch.bool, device=self.device)
+        ids = torch.tensor([tokens], device=self.device)
+        positions = torch.arange(past, past + len(tokens), device=self.device)[None]
+        _, new_layers = self._forward_padded(layers, valid, ids, positions)
+        cache.layers = [(k[0], v[0]) for k, v in new_layers]
+        cache.cached_tokens.extend(tokens)
+        self.tokens_forwarded += len(tokens)
+
+    # -- one request at a time (tests, tools) ----------------------------------------------
+
     def draft(
         self,
         request_id: str,
@@ -106,74 +199,132 @@ class DraftRuntime:
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> Draft:
-        """Draft up to ``gamma`` tokens after ``context`` (the request's full token ids).
-
-        Returns no tokens, and says so once per request, when the context plus the drafts would
-        exceed the draft model's maximum length.
-        """
+        """Draft up to ``gamma`` tokens after ``context`` (the request's full token ids) with this
+        one model; clipped to the draft's maximum length (nothing when the context fills it)."""
         if gamma < 0:
             raise ValueError(f"gamma must be >= 0, got {gamma}")
-        gamma = min(gamma, self.max_length - len(context))
-        if gamma <= 0 or not context:
-            if request_id not in self._too_long_logged and context:
-                self._too_long_logged.add(request_id)
-                logger.warning(
-                    "request %s: context of %d tokens reaches the draft model's maximum length %d "
-                    "(%s); proposing no draft tokens for it (plain decoding continues).",
-                    request_id, len(context), self.max_length, self.path,
-                )
+        gamma = self.room(request_id, len(context), gamma)
+        if gamma == 0 or not context:
             return Draft([], torch.empty(0, self.vocab_size))
-        cache = self._caches.pop(request_id, None) or _RequestCache()
-        self._caches[request_id] = cache  # most recently used last
-        logits = self._sync(cache, list(context))
+        batch = self.open_batch([request_id], [context])
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        logits = batch.logits[0]
         for step in range(gamma):
             probs = processed_probs(logits, params)
             token = int(probs.argmax()) if params.greedy else int(sample(probs.unsqueeze(0), generator))
             tokens.append(token)
             rows.append(probs)
             if step + 1 < gamma:
-                logits = self._forward(cache, [token])
-        self._account(cache)
+                logits = batch.extend([token])[0]
+        batch.close()
         return Draft(tokens, torch.stack(rows))
 
-    def _sync(self, cache: _RequestCache, context: list[int]) -> torch.Tensor:
-        """Roll the cache back to the prefix it shares with ``context``, forward the rest, return
-        the logits after the last context token."""
-        common = 0
-        for cached, wanted in zip(cache.cached_tokens, context):
-            if cached != wanted:
-                break
-            common += 1
-        common = min(common, len(context) - 1)  # the last token is forwarded to get its logits
-        if cache.past_key_values is not None and common < len(cache.cached_tokens):
-            # A negative argument removes that many tokens (transformers 5.x).
-            cache.past_key_values.crop(common - len(cache.cached_tokens))
-            del cache.cached_tokens[common:]
-        if common == 0:
-            cache.past_key_values, cache.cached_tokens = None, []
-        return self._forward(cache, context[common:])
 
-    def _forward(self, cache: _RequestCache, new_tokens: list[int]) -> torch.Tensor:
-        from transformers import DynamicCache
+class DraftBatch:
+    """The requests drafting this step, as one left-padded batch on one draft model."""
 
-        if cache.past_key_values is None:
-            cache.past_key_values = DynamicCache()
-        input_ids = torch.tensor([new_tokens], device=self.device)
-        out = self.model(input_ids=input_ids, past_key_values=cache.past_key_values, use_cache=True)
-        cache.cached_tokens.extend(new_tokens)
-        self.tokens_forwarded += len(new_tokens)
-        return out.logits[0, -1].float()
+    def __init__(self, runtime: DraftRuntime, request_ids: list[str], contexts: list[list[int]]):
+        self.runtime = runtime
+        self.request_ids = request_ids
+        device = runtime.device
+        caches = [runtime._take_cache(rid) for rid in request_ids]
+        new_tokens: list[list[int]] = []
+        for cache, context in zip(caches, contexts):
+            if not context:
+                raise ValueError("cannot draft after an empty context")
+            _rollback(cache, context)
+            pending = context[len(cache.cached_tokens):]
+            if len(pending) > SOLO_PREFILL_THRESHOLD:
+                runtime._prefill_alone(cache, pending[:-1])
+                pending = pending[-1:]
+            new_tokens.append(pending)
+        self._caches = caches
+        batch_size = len(caches)
+        past = max(len(c.cached_tokens) for c in caches)
+        width = max(len(t) for t in new_tokens)
+        # Row layout: [pad][cache][pad][new tokens], so every row's last token is in the last column.
+        valid = torch.zeros(batch_size, past + width, dtype=torch.bool, device=device)
+        ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
+        positions = torch.zeros(batch_size, width, dtype=torch.long, device=device)
+        for row, (cache, tokens) in enumerate(zip(caches, new_tokens)):
+            length = len(cache.cached_tokens)
+            valid[row, past - length:past] = True
+            valid[row, past + width - len(tokens):] = True
+            ids[row, width - len(tokens):] = torch.tensor(tokens, device=device)
+            positions[row, width - len(tokens):] = torch.arange(length, length + len(tokens), device=device)
+        layers = None
+        if past > 0:
+            layers = []
+            for index in range(_num_layers(caches, runtime)):
+                keys, values = _left_pad([c.layers[index] if c.layers else None for c in caches], past, runtime)
+                layers.append((keys, values))
+        logits, self._layers = runtime._forward_padded(layers, valid, ids, positions)
+        runtime.tokens_forwarded += sum(len(t) for t in new_tokens)
+        self._valid = valid
+        self._next_positions = positions[:, -1] + 1
+        self._added = [list(t) for t in new_tokens]
+        self.logits = logits[:, -1]  # [B, V]
 
-    def _account(self, cache: _RequestCache) -> None:
-        """Update the cache's size and evict least-recently-used requests beyond the budget."""
-        nbytes = 0
-        for layer in getattr(cache.past_key_values, "layers", []):
-            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(tensor, torch.Tensor):
-                    nbytes += tensor.numel() * tensor.element_size()
-        cache.nbytes = nbytes
-        while self.cache_bytes > self.memory_budget_bytes and len(self._caches) > 1:
-            self._caches.popitem(last=False)
-            self.evictions += 1
+    def extend(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append one token per row; returns the next-token logits [B, V]."""
+        runtime = self.runtime
+        device = runtime.device
+        ids = torch.tensor(list(tokens), device=device)[:, None]
+        self._valid = torch.cat([self._valid, torch.ones(len(tokens), 1, dtype=torch.bool, device=device)], 1)
+        logits, self._layers = runtime._forward_padded(self._layers, self._valid, ids, self._next_positions[:, None])
+        self._next_positions = self._next_positions + 1
+        for row, token in enumerate(tokens):
+            self._added[row].append(int(token))
+        runtime.tokens_forwarded += len(tokens)
+        self.logits = logits[:, -1]
+        return self.logits
+
+    def close(self) -> None:
+        """Split the batch back into per-request caches and apply the memory budget."""
+        for row, cache in enumerate(self._caches):
+            keep = self._valid[row].nonzero().squeeze(-1)
+            cache.layers = [(k[row].index_select(1, keep), v[row].index_select(1, keep)) for k, v in self._layers]
+            cache.cached_tokens.extend(self._added[row])
+            cache.nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in cache.layers)
+        self._layers = []
+        self.runtime._enforce_budget()
+
+
+def _num_layers(caches: list[_RequestCache], runtime: DraftRuntime) -> int:
+    for cache in caches:
+        if cache.layers:
+            return len(cache.layers)
+    return runtime.model.config.num_hidden_layers
+
+
+def _left_pad(per_row, past: int, runtime: DraftRuntime) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack per-request [heads, len, dim] K/V into [B, heads, past, dim], real entries last."""
+    template = next(kv for kv in per_row if kv is not None)[0]
+    heads, _, dim = template.shape
+    keys = template.new_zeros(len(per_row), heads, past, dim)
+    values = template.new_zeros(len(per_row), heads, past, dim)
+    for row, kv in enumerate(per_row):
+        if kv is None:
+            continue
+        length = kv[0].shape[1]
+        keys[row, :, past - length:] = kv[0]
+        values[row, :, past - length:] = kv[1]
+    return keys, values
+
+
+def _rollback(cache: _RequestCache, context: list[int]) -> None:
+    """Cut the cache to the prefix it shares with ``context``, keeping at least the last context
+    token uncached (its logits are needed)."""
+    cached = cache.cached_tokens
+    # Contexts change at the tail: compare the long head in one C-level slice comparison.
+    head = max(0, min(len(cached), len(context)) - 16)
+    common = head if cached[:head] == context[:head] else 0
+    for have, wanted in zip(cached[common:], context[common:]):
+        if have != wanted:
+            break
+        common += 1
+    common = min(common, len(context) - 1)
+    if common < len(cache.cached_tokens):
+        del cache.cached_tokens[common:]
+        cache.layers = [(k[:, :common], v[:, :common]) for k, v in cache.layers] if common else []

@@ -45,3 +45,15 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row of ``probs``."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def processed_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """:func:`processed_probs` for a batch [B, V] whose rows have their own parameters."""
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    rows_by_params: dict[SamplingParams, list[int]] = {}
+    for row, p in enumerate(params):
+        rows_by_params.setdefault(p, []).append(row)
+    for p, rows in rows_by_params.items():
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = processed_probs(logits[index], p)
+    return out

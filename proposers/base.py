@@ -1,0 +1,48 @@
+"""The one proposer interface every drafter in this package implements.
+
+A proposer sees a batch of requests, each with its full token context and a budget of draft
+tokens, and returns per request the tokens it drafts and the distribution q each was drawn
+from. Verification (exact rejection sampling: accept with min(1, p/q)) needs that q, so a
+proposer must return exactly what it sampled from: one-hot rows for deterministic choices.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from proposers.draft_runtime import Draft
+from proposers.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One request asking for draft tokens this step."""
+
+    request_id: str
+    context: Sequence[int]  # every token so far: prompt and output, including this step's
+    gamma: int  # the most draft tokens wanted (0: none)
+    params: SamplingParams = GREEDY
+    generator: torch.Generator | None = None
+
+
+class Proposer(abc.ABC):
+    """Drafts tokens for a batch of requests; keeps per-request state until :meth:`free`."""
+
+    vocab_size: int
+
+    @abc.abstractmethod
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """One :class:`Draft` per request (possibly empty), in order."""
+
+    @abc.abstractmethod
+    def free(self, request_id: str) -> None:
+        """Forget a finished or aborted request."""
+
+    def empty_draft(self) -> Draft:
+        return Draft([], torch.empty(0, self.vocab_size))

@@ -1,0 +1,89 @@
+"""Acceptance and cost counters a proposer keeps about its own drafts.
+
+A proposer learns what the target did with its last draft from the request's next context:
+the tokens added since are the accepted drafts followed by one token of the target's own.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftMetrics:
+    draft_names: list[str]
+    propose_calls: int = 0
+    draft_time_s: float = 0.0  # time inside propose()
+    step_time_s: float = 0.0  # time between consecutive propose() calls of a busy engine
+    timed_steps: int = 0
+    drafted_tokens: int = 0  # drafts whose fate was observed
+    accepted_tokens: int = 0
+    verify_steps: int = 0  # observed (request, step) verifications
+    fallback_requests: int = 0  # requests given no draft because of the draft's length limit
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    # Per draft: at verified positions, how often its own top token was the target's token.
+    agreement: dict[str, int] = field(default_factory=dict)
+    verified_positions: dict[str, int] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in self.draft_names:
+            self.agreement.setdefault(name, 0)
+            self.verified_positions.setdefault(name, 0)
+
+    def record_outcome(self, drafted: int, accepted: int) -> None:
+        while len(self.drafted_per_position) < drafted:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for position in range(drafted):
+            self.drafted_per_position[position] += 1
+            self.accepted_per_position[position] += position < accepted
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.verify_steps += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else float("nan")
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        """Accepted drafts per verification, plus the target's own token (vLLM's 'mean acceptance length')."""
+        return 1 + self.accepted_tokens / self.verify_steps if self.verify_steps else float("nan")
+
+    @property
+    def draft_time_fraction(self) -> float:
+        return self.draft_time_s / self.step_time_s if self.step_time_s else float("nan")
+
+    def snapshot(self) -> dict:
+        return {
+            "time": time.time(),
+            "propose_calls": self.propose_calls,
+            "draft_time_s": self.draft_time_s,
+            "step_time_s": self.step_time_s,
+            "timed_steps": self.timed_steps,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "verify_steps": self.verify_steps,
+            "fallback_requests": self.fallback_requests,
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
+            "agreement": dict(self.agreement),
+            "verified_positions": dict(self.verified_positions),
+            "weights": dict(self.weights),
+        }
+
+    def summary(self) -> str:
+        per_position = ", ".join(
+            f"{a / d:.3f}" for a, d in zip(self.accepted_per_position, self.drafted_per_position) if d
+        )
+        per_draft = ", ".join(
+            f"{name} {self.agreement[name] / n:.3f}" for name, n in self.verified_positions.items() if n
+        )
+        return (
+            f"acceptance {self.acceptance_rate:.3f}, mean accepted length {self.mean_accepted_per_step:.2f}, "
+            f"per position [{per_position}], per-draft top-1 agreement [{per_draft}], "
+            f"draft time {self.draft_time_s:.2f} s = {self.draft_time_fraction:.1%} of step time"
+        )

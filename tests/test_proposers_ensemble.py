@@ -1,0 +1,146 @@
+"""Batched ragged drafting and the ensemble: equal to one-at-a-time, q is what was drawn, metrics add up."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from proposers.base import GREEDY, DraftRequest
+from proposers.draft_runtime import DraftRuntime
+from proposers.ensemble import EnsembleProposer
+from proposers.sampling import SamplingParams, processed_probs
+from verification.drivers import REPO_ROOT
+
+DEMO = os.path.join(REPO_ROOT, "models", "demo")
+VOCAB = 4096
+
+
+def runtime(name: str, **kwargs) -> DraftRuntime:
+    return DraftRuntime(os.path.join(DEMO, name), target_vocab_size=VOCAB, **kwargs)
+
+
+def context(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, VOCAB, size=length).tolist()
+
+
+@torch.no_grad()
+def full_forward_logits(rt: DraftRuntime, tokens: list[int]) -> torch.Tensor:
+    """Next-token logits from a cache-free forward of the whole context."""
+    return rt.model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+
+
+def test_ragged_batch_equals_one_request_at_a_time():
+    rt = runtime("draft-small")
+    # Give two requests caches of different lengths, leave one fresh with a long prompt.
+    warm_a, warm_b = context(30, 1), context(7, 2)
+    rt.draft("a", warm_a, 3, GREEDY)
+    rt.draft("b", warm_b, 2, GREEDY)
+    contexts = [warm_a + [5, 9], warm_b[:5] + [11], context(45, 3), [42]]
+    batch = rt.open_batch(["a", "b", "c", "d"], contexts)
+    for row, ctx in enumerate(contexts):
+        torch.testing.assert_close(batch.logits[row], full_forward_logits(rt, ctx), atol=2e-4, rtol=1e-4)
+    extra = [[17, 23], [3, 4], [100, 200], [8, 8]]
+    for step in range(2):
+        logits = batch.extend([tokens[step] for tokens in extra])
+        for row, ctx in enumerate(contexts):
+            expected = full_forward_logits(rt, ctx + extra[row][: step + 1])
+            torch.testing.assert_close(logits[row], expected, atol=2e-4, rtol=1e-4)
+    batch.close()
+    # The caches were split back: the next step forwards only what is new.
+    before = rt.tokens_forwarded
+    again = rt.open_batch(["a", "c"], [contexts[0] + extra[0] + [1], contexts[2] + extra[2] + [1]])
+    assert rt.tokens_forwarded - before == 2
+    torch.testing.assert_close(
+        again.logits[1], full_forward_logits(rt, contexts[2] + extra[2] + [1]), atol=2e-4, rtol=1e-4
+    )
+    again.close()
+
+
+def test_batched_step_cost_is_new_tokens_plus_drafts():
+    rt = runtime("draft-tiny")
+    proposer = EnsembleProposer([rt])
+    requests = [DraftRequest(f"r{i}", context(50 + 13 * i, seed=i), 4) for i in range(5)]
+    first = proposer.propose(requests)
+    # Each target step accepted one draft and added a token. The accepted draft is already in the
+    # draft's cache, so one new token per request, then three more draft steps.
+    requests = [
+        DraftRequest(r.request_id, list(r.context) + d.token_ids[:1] + [7], 4) for r, d in zip(requests, first)
+    ]
+    before = rt.tokens_forwarded
+    proposer.propose(requests)
+    assert rt.tokens_forwarded - before == 5 * 1 + 5 * 3
+
+
+def test_single_draft_ensemble_is_the_draft_model():
+    proposer = EnsembleProposer([runtime("draft-distill")])
+    ctx = context(33, seed=4)
+    greedy = proposer.propose([DraftRequest("x", ctx, 5)])[0]
+    alone = runtime("draft-distill").draft("x", ctx, 5, GREEDY)
+    assert greedy.token_ids == alone.token_ids
+
+
+def test_mixture_q_is_processed_weighted_average():
+    names = ["draft-distill", "draft-small", "draft-tiny"]
+    runtimes = [runtime(n) for n in names]
+    weights = [0.5, 0.3, 0.2]
+    proposer = EnsembleProposer(runtimes, weights)
+    ctx = context(25, seed=5)
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
+    draft = proposer.propose([DraftRequest("m", ctx, 3, params, torch.Generator().manual_seed(0))])[0]
+    assert len(draft.token_ids) == 3
+    for position in range(3):
+        prefix = ctx + draft.token_ids[:position]
+        mixture = sum(w * full_forward_logits(rt, prefix).softmax(-1) for w, rt in zip(weights, runtimes))
+        expected = processed_probs(mixture.log(), params)
+        torch.testing.assert_close(draft.probs[position], expected, atol=1e-5, rtol=1e-4)
+        assert draft.probs[position, draft.token_ids[position]] > 0
+        assert int((draft.probs[position] > 0).sum()) <= 50
+
+
+def test_greedy_ensemble_takes_the_mixture_argmax():
+    runtimes = [runtime("draft-small"), runtime("draft-tiny")]
+    proposer = EnsembleProposer(runtimes)
+    ctx = context(20, seed=6)
+    draft = proposer.propose([DraftRequest("g", ctx, 1)])[0]
+    mixture = sum(0.5 * full_forward_logits(rt, ctx).softmax(-1) for rt in runtimes)
+    assert draft.token_ids == [int(mixture.argmax())]
+    assert float(draft.probs[0].max()) == 1.0
+
+
+def test_outcomes_are_read_from_the_next_context():
+    proposer = EnsembleProposer([runtime("draft-small"), runtime("draft-tiny")])
+    ctx = context(20, seed=7)
+    draft = proposer.propose([DraftRequest("o", ctx, 4)])[0]
+    # Target accepts two drafts, then emits its own token (not the third draft).
+    correction = (draft.token_ids[2] + 1) % VOCAB
+    proposer.propose([DraftRequest("o", ctx + draft.token_ids[:2] + [correction], 4)])
+    m = proposer.metrics
+    assert (m.drafted_tokens, m.accepted_tokens, m.verify_steps) == (4, 2, 1)
+    assert m.drafted_per_position == [1, 1, 1, 1] and m.accepted_per_position == [1, 1, 0, 0]
+    assert m.mean_accepted_per_step == 3.0
+    assert all(n == 3 for n in m.verified_positions.values())
+
+
+def test_adaptive_weights_follow_the_draft_that_agrees():
+    good, bad = runtime("draft-distill"), runtime("draft-tiny")
+    oracle = runtime("draft-distill")  # the "target" here: exactly the distill draft
+    proposer = EnsembleProposer([good, bad], adapt_weights=True)
+    for i in range(12):
+        ctx = context(15, seed=100 + i)
+        draft = proposer.propose([DraftRequest(f"w{i}", ctx, 3)])[0]
+        truth = oracle.draft(f"w{i}", ctx, 3, GREEDY).token_ids
+        proposer.propose([DraftRequest(f"w{i}", ctx + truth + [5], 3)])
+        proposer.free(f"w{i}")
+    weights = proposer.metrics.weights
+    assert weights["draft-distill"] > 0.6 > weights["draft-tiny"]
+    assert proposer.tracked_request_ids() == set()
+
+
+def test_ensemble_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="1 to 3"):
+        EnsembleProposer([])
+    with pytest.raises(ValueError, match="weights"):
+        EnsembleProposer([runtime("draft-tiny")], [0.0])
