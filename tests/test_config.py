@@ -33,6 +33,8 @@ def test_valid_config(draft_dirs):
                 "draft_weights": [1, 3],
                 "draft_dtype": "bfloat16",
                 "draft_memory_budget_mb": 64,
+                "adapt_draft_weights": True,
+                "runner_shim": False,
             }
         }
     )
@@ -40,6 +42,7 @@ def test_valid_config(draft_dirs):
     assert config.drafts == tuple(draft_dirs[:2])
     assert config.draft_weights == (1.0, 3.0)
     assert config.draft_memory_budget_mb == 64
+    assert config.adapt_draft_weights and not config.runner_shim
 
 
 def test_json_string_is_accepted():
@@ -63,6 +66,8 @@ MALFORMED = [
     ("budget zero", {"specplugin": {"draft_memory_budget_mb": 0}}, "draft_memory_budget_mb"),
     ("budget float", {"specplugin": {"draft_memory_budget_mb": 1.5}}, "draft_memory_budget_mb"),
     ("budget bool", {"specplugin": {"draft_memory_budget_mb": True}}, "draft_memory_budget_mb"),
+    ("shim flag not a bool", {"specplugin": {"runner_shim": "yes"}}, "runner_shim"),
+    ("adapt flag not a bool", {"specplugin": {"adapt_draft_weights": 1}}, "adapt_draft_weights"),
     ("invalid JSON string", "{specplugin: ", "additional_config"),
 ]
 

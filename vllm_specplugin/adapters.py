@@ -11,6 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_specplugin.config import SpecPluginConfig
+from vllm_specplugin.logging_utils import get_logger
+
+logger = get_logger()
 
 
 class _CustomClassAdapter:
@@ -53,3 +56,135 @@ class RepeatLastTokenProposer(_CustomClassAdapter):
                 continue
             drafts.append([int(token_ids_cpu[row, num_tokens - 1])] * room)
         return drafts
+
+
+class MultiDraftProposer(_CustomClassAdapter):
+    """Draft models as a vLLM proposer: one draft, or an ensemble of 2–3 whose predictions are mixed.
+
+    Configured from ``additional_config["specplugin"]``: ``drafts``, ``draft_weights``,
+    ``draft_dtype``, ``draft_memory_budget_mb``, ``adapt_draft_weights``. With the runner shim
+    (default) requests are keyed by id, sampled with their own temperature/top-k/top-p and
+    verified against q; without it they are keyed by batch row and drafted greedily (one-hot).
+    """
+
+    def __init__(self, vllm_config):
+        super().__init__(vllm_config)
+        import torch
+
+        from proposers.draft_runtime import DraftRuntime
+        from proposers.ensemble import EnsembleProposer
+        from vllm_specplugin.config import SpecPluginConfigError
+        from vllm_specplugin.metrics import MetricsPublisher
+
+        if not self.config.drafts:
+            raise SpecPluginConfigError(
+                "drafts", f"{type(self).__name__} needs 1 to 3 draft checkpoint directories, got none"
+            )
+        model_config = vllm_config.model_config
+        device = torch.device(vllm_config.device_config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        budget = self.config.draft_memory_budget_mb / len(self.config.drafts)
+        runtimes = [
+            DraftRuntime(
+                path,
+                target_vocab_size=model_config.get_vocab_size(),
+                target_name=str(model_config.model),
+                dtype=self.config.draft_dtype,
+                device=str(device),
+                memory_budget_mb=budget,
+            )
+            for path in self.config.drafts
+        ]
+        self.proposer = EnsembleProposer(
+            runtimes, self.config.draft_weights, adapt_weights=self.config.adapt_draft_weights
+        )
+        self.device = device
+        self._batch_view = None
+        self._last_probs = None
+        self._generators: dict[str, object] = {}
+        self._warned_no_shim = False
+        label = "ensemble" if len(runtimes) > 1 else "draft"
+        self.publisher = MetricsPublisher(self.proposer.metrics, f"{label}[{', '.join(self.proposer.names)}]")
+        logger.info(
+            "specplugin %s proposer: drafts %s, weights %s, k=%d, dtype %s, memory budget %d MiB",
+            label, list(self.config.drafts), [round(w, 3) for w in self.proposer.weights.tolist()],
+            self.num_speculative_tokens, self.config.draft_dtype, self.config.draft_memory_budget_mb,
+        )
+
+    # -- runner shim hooks -----------------------------------------------------------------
+
+    def set_batch_view(self, view) -> None:
+        self._batch_view = view
+
+    def take_last_draft_probs(self):
+        probs, self._last_probs = self._last_probs, None
+        return probs
+
+    # -- vLLM's call -----------------------------------------------------------------------
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings=None,
+    ) -> list[list[int]]:
+        import torch
+
+        from proposers.base import GREEDY, DraftRequest
+
+        view, self._batch_view = self._batch_view, None
+        if view is None and not self._warned_no_shim:
+            self._warned_no_shim = True
+            logger.warning(
+                "specplugin: runner shim inactive; drafting greedily per batch row and vLLM verifies "
+                "the drafts as one-hot (exact, with lower acceptance at temperature > 0)."
+            )
+        rows: list[int] = []
+        requests: list[DraftRequest] = []
+        for row, sampled in enumerate(sampled_token_ids):
+            num_tokens = int(num_tokens_no_spec[row])
+            room = self._room(num_tokens)
+            if not sampled or room == 0:
+                continue
+            context = token_ids_cpu[row, :num_tokens].tolist()
+            if view is None:
+                requests.append(DraftRequest(f"row-{row}", context, room, GREEDY))
+            else:
+                rid = view.req_ids[row]
+                requests.append(DraftRequest(rid, context, room, view.params[row], self._generator(rid, view.seeds[row])))
+            rows.append(row)
+        drafts = self.proposer.propose(requests)
+        output: list[list[int]] = [[] for _ in sampled_token_ids]
+        for row, draft in zip(rows, drafts):
+            output[row] = draft.token_ids
+        if view is not None:
+            probs = torch.zeros(
+                len(sampled_token_ids), self.num_speculative_tokens, self.proposer.vocab_size,
+                dtype=torch.float32, device=self.device,
+            )
+            for row, draft in zip(rows, drafts):
+                if draft.token_ids:
+                    probs[row, : len(draft.token_ids)] = draft.probs
+            self._last_probs = probs
+            self._forget_finished(view.live_request_ids)
+        return output
+
+    def _generator(self, request_id: str, seed: int | None):
+        """Seeded requests draft reproducibly from their own stream (vLLM's generator is left alone)."""
+        if seed is None:
+            return None
+        generator = self._generators.get(request_id)
+        if generator is None:
+            import torch
+
+            generator = torch.Generator(device=self.device).manual_seed((seed * 0x9E3779B1 + 1) % 2**63)
+            self._generators[request_id] = generator
+        return generator
+
+    def _forget_finished(self, live: frozenset[str]) -> None:
+        for rid in self.proposer.tracked_request_ids() - live:
+            self.proposer.free(rid)
+        for rid in set(self._generators) - live:
+            del self._generators[rid]

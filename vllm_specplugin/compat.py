@@ -43,4 +43,31 @@ def check_vllm_internals() -> list[str]:
     )
     expand_src = inspect.getsource(rejection_sampler.expand_batch_to_tokens)
     need("_expand(" in expand_src, "expand_batch_to_tokens launches _expand")
+    _check_runner_shim_internals(need)
     return problems
+
+
+def _check_runner_shim_internals(need) -> None:
+    """What vllm_specplugin.runner_shim reads and writes on the model runner."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    propose = inspect.unwrap(GPUModelRunner.propose_draft_token_ids)
+    params = list(inspect.signature(propose).parameters)
+    need(params[:3] == ["self", "scheduler_output", "sampled_token_ids"],
+         f"GPUModelRunner.propose_draft_token_ids(self, scheduler_output, sampled_token_ids, ...), got {params}")
+    source = inspect.getsource(propose)
+    need('method == "custom_class"' in source and "self.drafter).propose(" in source,
+         "propose_draft_token_ids calls a custom_class drafter's propose()")
+    need(source.find("self._draft_probs = None") < source.find('method == "custom_class"'),
+         "propose_draft_token_ids clears _draft_probs before drafting (the shim sets it after)")
+    reader = inspect.getsource(GPUModelRunner._get_spec_decode_draft_probs)
+    need("self._draft_probs[row_idx, :num_draft]" in reader and "self._draft_prob_req_ids" in reader,
+         "_get_spec_decode_draft_probs reads _draft_probs[row, :num_draft] keyed by _draft_prob_req_ids")
+    need("self._draft_probs: torch.Tensor | None" in inspect.getsource(GPUModelRunner.__init__),
+         "GPUModelRunner.__init__ declares _draft_probs")
+    need("self.requests: dict[str, CachedRequestState]" in inspect.getsource(GPUModelRunner.__init__),
+         "GPUModelRunner.requests maps live request ids to their state")
+    batch_source = inspect.getsource(InputBatch.__init__)
+    for name in ("self.temperature_cpu", "self.top_k_cpu", "self.top_p_cpu", "self.generators", "self._req_ids"):
+        need(name in batch_source, f"InputBatch keeps {name}")

@@ -42,8 +42,13 @@ class SpecPluginConfig:
     draft_weights: tuple[float, ...] | None = None
     # dtype the drafts run in.
     draft_dtype: str = "float32"
-    # Memory budget for the drafts' per-request KV caches, in MiB.
+    # Memory budget for the drafts' per-request KV caches, in MiB (shared by all drafts).
     draft_memory_budget_mb: int = 512
+    # Adapt the mixture weights online from each draft's measured agreement with the target.
+    adapt_draft_weights: bool = False
+    # The runner shim: hands the proposer request ids and sampling settings, and hands the
+    # proposer's q to vLLM's rejection sampler. Off: drafts are greedy, verified as one-hot.
+    runner_shim: bool = True
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> SpecPluginConfig:
@@ -83,6 +88,9 @@ class SpecPluginConfig:
             values["draft_dtype"] = _choice(raw, "draft_dtype", DRAFT_DTYPES)
         if "draft_memory_budget_mb" in raw:
             values["draft_memory_budget_mb"] = _positive_int(raw, "draft_memory_budget_mb")
+        for field in ("adapt_draft_weights", "runner_shim"):
+            if field in raw:
+                values[field] = _bool(raw, field)
         config = cls(**values)
         if config.draft_weights is not None and len(config.draft_weights) != len(config.drafts):
             raise SpecPluginConfigError(
@@ -96,6 +104,13 @@ def _choice(raw: Mapping, field: str, choices: tuple[str, ...]) -> str:
     value = raw[field]
     if not isinstance(value, str) or value not in choices:
         raise SpecPluginConfigError(field, f"expected one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _bool(raw: Mapping, field: str) -> bool:
+    value = raw[field]
+    if not isinstance(value, bool):
+        raise SpecPluginConfigError(field, f"expected true or false, got {value!r}")
     return value
 
 

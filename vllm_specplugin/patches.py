@@ -26,11 +26,14 @@ def install() -> None:
         log_once(
             "warning",
             f"vllm-specplugin was tested with vLLM {', '.join(version.TESTED_VLLM_SERIES)}.x; found "
-            f"{version.vllm_version()}. Runtime patches (CPU sampler repair) are NOT installed. "
+            f"{version.vllm_version()}. Runtime patches (CPU sampler repair, runner shim) are NOT installed. "
             "Proposers still load through custom_class.",
         )
         return
     _wrap_worker_init()
+    from vllm_specplugin import runner_shim
+
+    runner_shim.install()
 
 
 def _wrap_engine_config_validation() -> None:
@@ -45,6 +48,9 @@ def _wrap_engine_config_validation() -> None:
     def create_engine_config(self, *args, **kwargs):
         vllm_config = original(self, *args, **kwargs)
         SpecPluginConfig.from_additional_config(vllm_config.additional_config)
+        from vllm_specplugin import metrics
+
+        metrics.prepare_metrics_dir()  # the engine processes started next inherit its path
         return vllm_config
 
     setattr(create_engine_config, _MARK, True)

@@ -1,0 +1,156 @@
+"""The proposers' acceptance and timing, in the log and on vLLM's Prometheus ``/metrics``.
+
+Proposers run in the worker process; ``/metrics`` is served by the front end. The front end
+makes a fresh directory when it builds the engine config and names it in an environment
+variable that the engine processes inherit; each worker writes a JSON snapshot there, and a
+collector in the front end's default registry (the one vLLM serves) sums the snapshots at
+scrape time. The names start with ``specplugin:``, next to vLLM's ``vllm:spec_decode_*``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+from proposers.metrics import DraftMetrics
+from vllm_specplugin.logging_utils import get_logger
+
+logger = get_logger()
+
+METRICS_DIR_ENV = "SPECPLUGIN_METRICS_DIR"
+WRITE_INTERVAL_S = 0.5
+LOG_INTERVAL_S = 10.0
+
+_collector_registered = False
+
+
+def prepare_metrics_dir() -> None:
+    """In the front end, before the engine starts: a fresh snapshot directory, and the collector."""
+    global _collector_registered
+    directory = tempfile.mkdtemp(prefix="specplugin-metrics-")
+    os.environ[METRICS_DIR_ENV] = directory
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    if not _collector_registered:
+        from prometheus_client import REGISTRY
+
+        REGISTRY.register(SnapshotCollector())
+        _collector_registered = True
+
+
+class MetricsPublisher:
+    """In the worker: write snapshots for the front end and log a summary now and then."""
+
+    def __init__(self, metrics: DraftMetrics, label: str):
+        self.metrics = metrics
+        self.label = label
+        directory = os.environ.get(METRICS_DIR_ENV)
+        self.path = os.path.join(directory, f"worker-{os.getpid()}.json") if directory and os.path.isdir(directory) else None
+        self._last_log = time.monotonic()
+        self._last_written_calls = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specplugin-metrics", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(WRITE_INTERVAL_S):
+            self.flush()
+
+    def flush(self) -> None:
+        metrics = self.metrics
+        if self.path and metrics.propose_calls != self._last_written_calls:
+            self._last_written_calls = metrics.propose_calls
+            snapshot = dict(metrics.snapshot(), label=self.label)
+            temporary = f"{self.path}.tmp"
+            try:
+                with open(temporary, "w") as f:
+                    json.dump(snapshot, f)
+                os.replace(temporary, self.path)
+            except OSError:
+                self.path = None  # the front end has gone and removed the directory
+        now = time.monotonic()
+        if now - self._last_log >= LOG_INTERVAL_S and metrics.verify_steps:
+            self._last_log = now
+            logger.info("SpecPlugin %s: %s", self.label, metrics.summary())
+
+    def close(self) -> None:
+        self._stop.set()
+        self.flush()
+
+
+def read_snapshots(directory: str | None = None) -> list[dict]:
+    directory = directory or os.environ.get(METRICS_DIR_ENV)
+    if not directory:
+        return []
+    snapshots = []
+    for path in sorted(glob.glob(os.path.join(directory, "worker-*.json"))):
+        try:
+            with open(path) as f:
+                snapshots.append(json.load(f))
+        except (OSError, ValueError):
+            continue  # being replaced right now; the next scrape sees it
+    return snapshots
+
+
+class SnapshotCollector:
+    """A prometheus_client collector over the workers' snapshots."""
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snapshots = read_snapshots()
+
+        def total(key):
+            return sum(s.get(key, 0) for s in snapshots)
+
+        for key, doc in [
+            ("drafted_tokens", "Draft tokens whose verification outcome the proposer observed."),
+            ("accepted_tokens", "Draft tokens the target accepted."),
+            ("verify_steps", "Verification steps observed (request x step)."),
+            ("propose_calls", "Calls of the proposer."),
+            ("fallback_requests", "Times a request got no draft because of the draft model's length limit."),
+        ]:
+            family = CounterMetricFamily(f"specplugin:{key}", doc)
+            family.add_metric([], total(key))
+            yield family
+        for key, doc in [
+            ("draft_time_seconds", "Time spent drafting."),
+            ("step_time_seconds", "Time of the engine steps in which the proposer drafted."),
+        ]:
+            family = CounterMetricFamily(f"specplugin:{key}", doc)
+            family.add_metric([], total(key.replace("_seconds", "_s")))
+            yield family
+        for key, doc in [
+            ("drafted_per_position", "Draft tokens observed, by position in the draft."),
+            ("accepted_per_position", "Accepted draft tokens, by position in the draft."),
+        ]:
+            family = CounterMetricFamily(f"specplugin:{key}", doc, labels=["position"])
+            counts: dict[int, int] = {}
+            for s in snapshots:
+                for position, count in enumerate(s.get(key, [])):
+                    counts[position] = counts.get(position, 0) + count
+            for position, count in sorted(counts.items()):
+                family.add_metric([str(position)], count)
+            yield family
+        agreement = CounterMetricFamily(
+            "specplugin:draft_agreement", "Verified positions where this draft's top token was the target's token.",
+            labels=["draft"],
+        )
+        verified = CounterMetricFamily(
+            "specplugin:draft_verified_positions", "Verified positions seen by this draft.", labels=["draft"]
+        )
+        weight = GaugeMetricFamily("specplugin:draft_weight", "Current mixture weight of this draft.", labels=["draft"])
+        for s in snapshots:
+            for name, count in s.get("agreement", {}).items():
+                agreement.add_metric([name], count)
+                verified.add_metric([name], s.get("verified_positions", {}).get(name, 0))
+            for name, value in s.get("weights", {}).items():
+                weight.add_metric([name], value)
+        yield agreement
+        yield verified
+        yield weight
