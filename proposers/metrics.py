@@ -21,6 +21,7 @@ class DraftMetrics:
     accepted_tokens: int = 0
     verify_steps: int = 0  # observed (request, step) verifications
     fallback_requests: int = 0  # requests given no draft because of the draft's length limit
+    tracked_requests: int = 0  # requests whose draft state is held right now
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     # Per draft: at verified positions, how often its own top token was the target's token.
@@ -68,6 +69,7 @@ class DraftMetrics:
             "accepted_tokens": self.accepted_tokens,
             "verify_steps": self.verify_steps,
             "fallback_requests": self.fallback_requests,
+            "tracked_requests": self.tracked_requests,
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "agreement": dict(self.agreement),

@@ -126,11 +126,11 @@ class VllmServer:
         except OSError:
             return ""
 
-    def metrics(self) -> dict[str, float]:
-        """Prometheus samples from /metrics whose name starts with ``vllm:spec_decode``."""
+    def metrics(self, prefix: str = "vllm:spec_decode") -> dict[str, float]:
+        """Prometheus samples from /metrics whose name starts with ``prefix``."""
         with urllib.request.urlopen(self.base_url + "/metrics", timeout=10) as r:
             text = r.read().decode()
-        return parse_prometheus(text, prefix="vllm:spec_decode")
+        return parse_prometheus(text, prefix=prefix)
 
 
 def parse_prometheus(text: str, prefix: str = "") -> dict[str, float]:

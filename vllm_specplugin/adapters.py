@@ -188,3 +188,4 @@ class MultiDraftProposer(_CustomClassAdapter):
             self.proposer.free(rid)
         for rid in set(self._generators) - live:
             del self._generators[rid]
+        self.proposer.metrics.tracked_requests = len(self.proposer.tracked_request_ids())

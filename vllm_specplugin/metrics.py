@@ -144,6 +144,9 @@ class SnapshotCollector:
         verified = CounterMetricFamily(
             "specplugin:draft_verified_positions", "Verified positions seen by this draft.", labels=["draft"]
         )
+        tracked = GaugeMetricFamily("specplugin:tracked_requests", "Requests whose draft state is held.")
+        tracked.add_metric([], total("tracked_requests"))
+        yield tracked
         weight = GaugeMetricFamily("specplugin:draft_weight", "Current mixture weight of this draft.", labels=["draft"])
         for s in snapshots:
             for name, count in s.get("agreement", {}).items():

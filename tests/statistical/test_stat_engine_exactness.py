@@ -28,7 +28,9 @@ pytestmark = [pytest.mark.statistical, pytest.mark.engine]
 
 SUITE_ALPHA = 0.01
 HONEST_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
-SUITE_HYPOTHESES = 3 * len(HONEST_TEMPERATURES) + 5  # 3 honest engines, 5 faults
+ENSEMBLE_TEMPERATURES = (0.0, 0.7, 1.0)
+# 3 honest engines over HONEST_TEMPERATURES, 2 ensemble engines (shim on/off), 5 faults.
+SUITE_HYPOTHESES = 3 * len(HONEST_TEMPERATURES) + 2 * len(ENSEMBLE_TEMPERATURES) + 5
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 N, M_TOKENS, TOP_K, TOP_P = 2000, 3, 50, 0.9
@@ -103,6 +105,27 @@ def test_builtin_draft_model_is_exact_with_repair(peaked_target, peaked_draft):
     """vLLM's draft_model method, probabilistic drafts (q is used in min(1, p/q))."""
     report = check("honest_draft_model", peaked_target, HONEST,
                    speculative_config=draft_model_spec(peaked_draft))
+    assert_honest(report)
+    assert all(c.acceptance_rate and c.acceptance_rate > 0.05 for c in report.cases)
+
+
+ENSEMBLE_PROPOSER = {
+    "method": "custom_class",
+    "model": "vllm_specplugin.adapters.MultiDraftProposer",
+    "num_speculative_tokens": 3,
+}
+
+
+@pytest.mark.parametrize("shim", [True, False], ids=["shim_on", "shim_off"])
+def test_plugin_ensemble_is_exact(peaked_target, peaked_draft, unrelated_draft, shim):
+    """The plugin's two-draft ensemble. Shim on: sampled drafts verified against q (min(1, p/q));
+    shim off: greedy drafts verified as one-hot."""
+    report = check(
+        f"honest_ensemble_shim_{'on' if shim else 'off'}", peaked_target,
+        [sampling(t) for t in ENSEMBLE_TEMPERATURES],
+        speculative_config=ENSEMBLE_PROPOSER,
+        additional_config={"specplugin": {"drafts": [peaked_draft, unrelated_draft], "runner_shim": shim}},
+    )
     assert_honest(report)
     assert all(c.acceptance_rate and c.acceptance_rate > 0.05 for c in report.cases)
 

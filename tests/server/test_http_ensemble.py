@@ -1,0 +1,96 @@
+"""The draft ensemble served over HTTP: concurrent requests all return their full length, and
+the plugin's metrics appear on /metrics next to vLLM's spec-decode counters."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from verification.drivers import REPO_ROOT
+from verification.server import VllmServer, metric_total
+
+pytestmark = pytest.mark.server
+
+DEMO = os.path.join(REPO_ROOT, "models", "demo")
+ENSEMBLES = {
+    "2 drafts": ["draft-distill", "draft-small"],
+    "3 drafts": ["draft-distill", "draft-small", "draft-tiny"],
+}
+CONCURRENT_REQUESTS = 24
+
+
+def settled_plugin_metrics(server: VllmServer) -> dict[str, float]:
+    """The workers publish every 0.5 s: read until two reads a second apart agree."""
+    previous = None
+    deadline = time.monotonic() + 30
+    while True:
+        samples = server.metrics(prefix="specplugin:")
+        if samples == previous or time.monotonic() > deadline:
+            return samples
+        previous = samples
+        time.sleep(1.0)
+
+
+@pytest.mark.parametrize("drafts", list(ENSEMBLES.values()), ids=list(ENSEMBLES))
+def test_ensemble_serves_concurrent_requests_in_full(drafts):
+    from openai import OpenAI
+
+    target = os.path.join(DEMO, "target")
+    server = VllmServer(
+        target,
+        speculative_config={
+            "method": "custom_class",
+            "model": "vllm_specplugin.adapters.MultiDraftProposer",
+            "num_speculative_tokens": 3,
+        },
+        additional_config={"specplugin": {"drafts": [os.path.join(DEMO, d) for d in drafts]}},
+    )
+    rng = np.random.default_rng(0)
+    jobs = []
+    for i in range(CONCURRENT_REQUESTS):
+        prompt = rng.integers(3, 4096, size=int(rng.integers(5, 60))).tolist()
+        temperature = [0.0, 0.7, 1.0][i % 3]
+        jobs.append((prompt, temperature, int(rng.integers(24, 72))))
+    with server:
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=600)
+
+        def complete(job):
+            prompt, temperature, max_tokens = job
+            completion = client.completions.create(
+                model=target, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                extra_body={"ignore_eos": True, "return_token_ids": True, "top_k": 50, "top_p": 0.9},
+            )
+            return completion.choices[0]
+
+        with ThreadPoolExecutor(CONCURRENT_REQUESTS) as pool:
+            choices = list(pool.map(complete, jobs))
+        for (prompt, temperature, max_tokens), choice in zip(jobs, choices):
+            assert len(choice.token_ids) == max_tokens, (temperature, max_tokens, len(choice.token_ids))
+            assert choice.finish_reason == "length"
+        # One more request: the proposer frees the finished requests' state at its next step.
+        last = complete(([5, 6, 7], 1.0, 8))
+        assert len(last.token_ids) == 8
+
+        vllm_counters = server.metrics()
+        accepted = metric_total(vllm_counters, "vllm:spec_decode_num_accepted_tokens_total")
+        drafted = metric_total(vllm_counters, "vllm:spec_decode_num_draft_tokens_total")
+        plugin = settled_plugin_metrics(server)
+    print({k: v for k, v in plugin.items() if "per_position" not in k})
+    assert drafted > 0 and 0 < accepted <= drafted
+    own_drafted = metric_total(plugin, "specplugin:drafted_tokens_total")
+    own_accepted = metric_total(plugin, "specplugin:accepted_tokens_total")
+    # The proposer sees every verification except each request's last one.
+    assert 0 < own_accepted <= accepted and 0 < own_drafted <= drafted
+    assert own_drafted >= 0.8 * drafted
+    for name in drafts:
+        assert plugin[f'specplugin:draft_verified_positions_total{{draft="{name}"}}'] > 0
+        assert 0 < plugin[f'specplugin:draft_weight{{draft="{name}"}}'] < 1
+    assert metric_total(plugin, "specplugin:draft_weight") == pytest.approx(1.0)
+    positions = [plugin.get(f'specplugin:accepted_per_position_total{{position="{j}"}}', 0) for j in range(3)]
+    assert positions[0] >= positions[1] >= positions[2]
+    assert metric_total(plugin, "specplugin:draft_time_seconds_total") > 0
+    assert metric_total(plugin, "specplugin:tracked_requests") <= 1
