@@ -16,6 +16,11 @@ test-fast: setup
 demo: setup
 	@source ci/env.sh && $(PY) -m verification.demo
 
+# Throughput benchmarks (pytest-benchmark; several minutes per server configuration).
+bench: setup
+	@source ci/env.sh && $(PY) -m pytest tests/benchmarks -q -s -p no:cacheprovider \
+		--benchmark-autosave --benchmark-storage=file://runs/benchmarks --benchmark-columns=min,rounds $(BENCH_ARGS)
+
 models: setup
 	@$(PY) -m models.build
 

@@ -133,6 +133,19 @@ class VllmServer:
         return parse_prometheus(text, prefix=prefix)
 
 
+    def settled_metrics(self, prefix: str, timeout_s: float = 30) -> dict[str, float]:
+        """Samples read until two reads a second apart agree (for values published with a delay,
+        like the plugin's, which workers write every 0.5 s)."""
+        previous = None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            samples = self.metrics(prefix)
+            if samples == previous or time.monotonic() > deadline:
+                return samples
+            previous = samples
+            time.sleep(1.0)
+
+
 def parse_prometheus(text: str, prefix: str = "") -> dict[str, float]:
     """'name{labels} value' lines -> {'name{labels}': value}; comments skipped."""
     samples: dict[str, float] = {}

@@ -4,7 +4,6 @@ the plugin's metrics appear on /metrics next to vLLM's spec-decode counters."""
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -21,18 +20,6 @@ ENSEMBLES = {
     "3 drafts": ["draft-distill", "draft-small", "draft-tiny"],
 }
 CONCURRENT_REQUESTS = 24
-
-
-def settled_plugin_metrics(server: VllmServer) -> dict[str, float]:
-    """The workers publish every 0.5 s: read until two reads a second apart agree."""
-    previous = None
-    deadline = time.monotonic() + 30
-    while True:
-        samples = server.metrics(prefix="specplugin:")
-        if samples == previous or time.monotonic() > deadline:
-            return samples
-        previous = samples
-        time.sleep(1.0)
 
 
 @pytest.mark.parametrize("drafts", list(ENSEMBLES.values()), ids=list(ENSEMBLES))
@@ -78,7 +65,7 @@ def test_ensemble_serves_concurrent_requests_in_full(drafts):
         vllm_counters = server.metrics()
         accepted = metric_total(vllm_counters, "vllm:spec_decode_num_accepted_tokens_total")
         drafted = metric_total(vllm_counters, "vllm:spec_decode_num_draft_tokens_total")
-        plugin = settled_plugin_metrics(server)
+        plugin = server.settled_metrics("specplugin:")
     print({k: v for k, v in plugin.items() if "per_position" not in k})
     assert drafted > 0 and 0 < accepted <= drafted
     own_drafted = metric_total(plugin, "specplugin:drafted_tokens_total")

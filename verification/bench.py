@@ -1,0 +1,208 @@
+"""Throughput measurement against the real HTTP server: workloads, counters, the cost model.
+
+Every figure comes with its cost model: α (accepted / drafted draft tokens, vLLM's counters), γ
+(draft tokens per step), c (draft time per draft token over target time per step, measured by
+the plugin's proposer; unknown for vLLM's built-ins) and the Leviathan et al. speedup bound
+E[tokens/step] / (1 + cγ) for those α, γ and c.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from verification.drivers import REPO_ROOT
+from verification.server import VllmServer, metric_total
+
+DEMO = os.path.join(REPO_ROOT, "models", "demo")
+PLUGIN_PROPOSER = "vllm_specplugin.adapters.MultiDraftProposer"
+
+
+@dataclass(frozen=True)
+class ServedConfig:
+    """One way of serving the target: plain, a vLLM built-in method, or a plugin proposer."""
+
+    name: str
+    speculative_config: dict | None = None
+    additional_config: dict | None = None
+
+    @property
+    def gamma(self) -> int:
+        return int((self.speculative_config or {}).get("num_speculative_tokens", 0))
+
+    @property
+    def is_plugin(self) -> bool:
+        return (self.speculative_config or {}).get("model") == PLUGIN_PROPOSER
+
+    def server(self, target: str) -> VllmServer:
+        return VllmServer(target, speculative_config=self.speculative_config, additional_config=self.additional_config)
+
+
+def plugin_config(name: str, drafts: list[str], gamma: int = 3, **plugin_options) -> ServedConfig:
+    return ServedConfig(
+        name,
+        {"method": "custom_class", "model": PLUGIN_PROPOSER, "num_speculative_tokens": gamma},
+        {"specplugin": {"drafts": [os.path.join(DEMO, d) for d in drafts], **plugin_options}},
+    )
+
+
+def builtin_draft_model_config(draft: str, gamma: int = 3) -> ServedConfig:
+    """vLLM's own draft_model method (probabilistic drafts; exact on CPU with the plugin's repair)."""
+    return ServedConfig(
+        f"vllm draft_model[{draft}]",
+        {"method": "draft_model", "model": os.path.join(DEMO, draft), "num_speculative_tokens": gamma,
+         "draft_sample_method": "probabilistic"},
+    )
+
+
+@dataclass
+class WorkloadResult:
+    config: str
+    batch: int
+    temperature: float
+    output_tokens: int
+    wall_s: float
+    gamma: int
+    drafts: float = 0.0  # vLLM: verification steps with drafts
+    draft_tokens: float = 0.0
+    accepted_tokens: float = 0.0
+    accepted_per_position: list[float] = field(default_factory=list)
+    draft_time_s: float | None = None  # plugin proposers only
+    step_time_s: float | None = None
+    propose_calls: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verification step: accepted drafts + the target's own (1.0 when plain)."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def draft_time_fraction(self) -> float | None:
+        if self.draft_time_s is None or not self.step_time_s:
+            return None
+        return self.draft_time_s / self.step_time_s
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """c: draft time per draft token / target time per step (step time less drafting)."""
+        if self.draft_time_s is None or not self.propose_calls or not self.step_time_s or not self.gamma:
+            return None
+        steps = self.propose_calls
+        target_per_step = (self.step_time_s - self.draft_time_s) / steps
+        return (self.draft_time_s / steps / self.gamma) / target_per_step if target_per_step > 0 else None
+
+    def leviathan_bound(self) -> float | None:
+        from stats.speedup import expected_speedup
+
+        if self.alpha is None or self.cost_ratio is None:
+            return None
+        return float(expected_speedup(min(self.alpha, 0.999), self.gamma, self.cost_ratio))
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            tokens_per_s=self.tokens_per_s, alpha=self.alpha, mean_accepted_length=self.mean_accepted_length,
+            draft_time_fraction=self.draft_time_fraction, cost_ratio=self.cost_ratio,
+            leviathan_bound=self.leviathan_bound(),
+        )
+        return out
+
+
+def run_workload(
+    server: VllmServer, config: ServedConfig, prompts: list[str], *, batch: int, temperature: float, max_tokens: int
+) -> WorkloadResult:
+    """Send every prompt, ``batch`` at a time (a pool of that many concurrent clients)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=900)
+
+    def complete(prompt: str) -> int:
+        completion = client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+            extra_body={"ignore_eos": True},
+        )
+        return completion.usage.completion_tokens
+
+    before = server.metrics()
+    plugin_before = server.settled_metrics("specplugin:") if config.is_plugin else {}
+    started = time.perf_counter()
+    with ThreadPoolExecutor(batch) as pool:
+        output_tokens = sum(pool.map(complete, prompts))
+    wall = time.perf_counter() - started
+    after = server.metrics()
+
+    def delta(name: str, a=after, b=before) -> float:
+        return metric_total(a, name) - metric_total(b, name)
+
+    result = WorkloadResult(
+        config.name, batch, temperature, output_tokens, wall, config.gamma,
+        drafts=delta("vllm:spec_decode_num_drafts_total"),
+        draft_tokens=delta("vllm:spec_decode_num_draft_tokens_total"),
+        accepted_tokens=delta("vllm:spec_decode_num_accepted_tokens_total"),
+        accepted_per_position=[
+            after.get(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels}}}', 0)
+            - before.get(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels}}}', 0)
+            for labels in _position_labels(after)
+        ],
+    )
+    if config.is_plugin:
+        plugin_after = server.settled_metrics("specplugin:")
+        result.draft_time_s = delta("specplugin:draft_time_seconds_total", plugin_after, plugin_before)
+        result.step_time_s = delta("specplugin:step_time_seconds_total", plugin_after, plugin_before)
+        result.propose_calls = delta("specplugin:propose_calls_total", plugin_after, plugin_before)
+    return result
+
+
+def _position_labels(samples: dict[str, float]) -> list[str]:
+    prefix = "vllm:spec_decode_num_accepted_tokens_per_pos_total{"
+    labels = [key[len(prefix):-1] for key in samples if key.startswith(prefix)]
+    return sorted(labels, key=lambda label: int(label.split('position="')[1].split('"')[0]))
+
+
+def format_table(results: list[WorkloadResult], baseline: dict[tuple[int, float], float]) -> str:
+    """Markdown table; ``baseline`` maps (batch, temperature) to plain decoding's tokens/s."""
+    header = (
+        "| config | batch | T | tokens/s | speedup vs plain | mean accepted length | α | per-position acceptance "
+        "| draft time / step | c | Leviathan bound |"
+    )
+    lines = [header, "|" + "---|" * 11]
+    for r in results:
+        plain = baseline.get((r.batch, r.temperature))
+        speedup = f"{r.tokens_per_s / plain:.2f}x" if plain else "-"
+        per_position = (
+            "[" + ", ".join(f"{a / r.drafts:.2f}" for a in r.accepted_per_position) + "]" if r.drafts else "-"
+        )
+        lines.append(
+            f"| {r.config} | {r.batch} | {r.temperature:g} | {r.tokens_per_s:.1f} | {speedup} "
+            f"| {r.mean_accepted_length:.2f} | {_fmt(r.alpha)} | {per_position} | {_fmt(r.draft_time_fraction, '.0%')} "
+            f"| {_fmt(r.cost_ratio)} | {_fmt(r.leviathan_bound(), '.2f', 'x')} |"
+        )
+    return "\n".join(lines)
+
+
+def _fmt(value, spec: str = ".3f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def record_benchmark(benchmark, results: list[WorkloadResult], result: WorkloadResult) -> None:
+    """Attach the cost model and the within-run speedup to the benchmark, and keep the result."""
+    results.append(result)
+    plain = next(
+        (r.tokens_per_s for r in results
+         if r.config == "plain" and (r.batch, r.temperature) == (result.batch, result.temperature)),
+        None,
+    )
+    info = result.as_dict()
+    info["speedup_vs_plain"] = result.tokens_per_s / plain if plain else None
+    benchmark.extra_info.update({k: v for k, v in info.items() if not isinstance(v, list)})
+    benchmark.extra_info["accepted_per_position"] = result.accepted_per_position
