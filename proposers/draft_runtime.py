@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from proposers.lean_llama import LeanLlama
 from proposers.sampling import SamplingParams, processed_probs, sample
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class DraftRuntime:
         dtype: str = "float32",
         device: str = "cpu",
         memory_budget_mb: float = 512,
+        lean_forward: bool = True,
     ):
         from transformers import AutoConfig
 
@@ -86,6 +88,8 @@ class DraftRuntime:
         self.max_length = int(getattr(config, "max_position_embeddings", 2048))
         self.device = torch.device(device)
         self.model = load_causal_lm(path, dtype, device)
+        # Llama drafts skip transformers' per-call overhead (same math; see proposers/lean_llama.py).
+        self.lean = LeanLlama(self.model) if lean_forward and LeanLlama.supports(self.model) else None
         self.memory_budget_bytes = int(memory_budget_mb * 2**20)
         self._caches: OrderedDict[str, _RequestCache] = OrderedDict()
         self._too_long_logged: set[str] = set()
@@ -150,14 +154,7 @@ class DraftRuntime:
 
         ``valid`` [B, past + n] marks real positions. Returns logits [B, n, V] and the new layers.
         """
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        past = 0
-        if layers is not None:
-            for index, (keys, values) in enumerate(layers):
-                cache.update(keys, values, index)
-            past = layers[0][0].shape[2]
+        past = 0 if layers is None else layers[0][0].shape[2]
         n = input_ids.shape[1]
         query_columns = torch.arange(past, past + n, device=self.device)
         key_columns = torch.arange(past + n, device=self.device)
@@ -165,6 +162,15 @@ class DraftRuntime:
         mask = causal[None] & valid[:, None, :]
         # A padding query sees at least itself, so no softmax row is empty (no NaN).
         mask[:, torch.arange(n), query_columns] = True
+        self.forward_calls += 1
+        if self.lean is not None:
+            logits, new_layers = self.lean.forward(input_ids, positions, layers, mask[:, None])
+            return logits.float(), new_layers
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for index, (keys, values) in enumerate(layers or []):
+            cache.update(keys, values, index)
         out = self.model(
             input_ids=input_ids,
             position_ids=positions,
@@ -172,7 +178,6 @@ class DraftRuntime:
             past_key_values=cache,
             use_cache=True,
         )
-        self.forward_calls += 1
         new_layers = [(layer.keys, layer.values) for layer in cache.layers]
         return out.logits.float(), new_layers
 

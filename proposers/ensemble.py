@@ -18,7 +18,7 @@ import torch
 from proposers.base import DraftRequest, Proposer
 from proposers.draft_runtime import Draft, DraftRuntime
 from proposers.metrics import DraftMetrics
-from proposers.sampling import processed_probs_rows
+from proposers.sampling import processed_probs_rows, sample_rows
 
 ADAPT_RATE = 0.05  # EMA step of the per-draft agreement used for adaptive weights
 MIN_WEIGHT = 0.05  # an adapted weight never drops below this (before normalising)
@@ -132,11 +132,9 @@ class EnsembleProposer(Proposer):
     @staticmethod
     def _choose(q: torch.Tensor, active) -> list[int]:
         """Argmax for greedy rows (q is one-hot there), one sample per other row."""
-        chosen = q.argmax(-1)
-        for row, (_, request, _) in enumerate(active):
-            if not request.params.greedy:
-                chosen[row] = torch.multinomial(q[row], 1, generator=request.generator)[0]
-        return chosen.tolist()
+        sampled = sample_rows(q, [request.generator for _, request, _ in active])
+        greedy = torch.tensor([request.params.greedy for _, request, _ in active], device=q.device)
+        return torch.where(greedy, q.argmax(-1), sampled).tolist()
 
     # -- learning from the target's verdicts -----------------------------------------------
 

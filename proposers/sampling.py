@@ -57,3 +57,22 @@ def processed_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> 
         index = torch.tensor(rows, device=logits.device)
         out[index] = processed_probs(logits[index], p)
     return out
+
+
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row, drawn from that row's probabilities by inverting its CDF with one
+    uniform (far cheaper than per-token noise over a whole vocabulary). Rows with a generator
+    draw their uniform from it."""
+    cdf = probs.cumsum(-1)
+    uniform = torch.rand(probs.shape[0], 1, device=probs.device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniform[row] = torch.rand(1, generator=generator, device=probs.device)
+    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1)
+    tokens = tokens.clamp_(max=probs.shape[-1] - 1)
+    # Rounding at the very top of the CDF can land past the last token with probability > 0.
+    missed = probs.gather(-1, tokens[:, None]).squeeze(-1) <= 0
+    if missed.any():
+        last_nonzero = probs.shape[-1] - 1 - (probs > 0).flip(-1).float().argmax(-1)
+        tokens = torch.where(missed, last_nonzero, tokens)
+    return tokens

@@ -113,3 +113,32 @@ def test_no_leak_over_1000_requests_and_budget_holds():
     for i in range(1000):
         small.free(f"r{i}")
     assert small.num_cached_requests == 0 and small.cache_bytes == 0
+
+
+@pytest.mark.parametrize("name", ["draft-small", "draft-distill", "target"])
+def test_lean_llama_forward_equals_transformers(name):
+    """The lean forward path gives transformers' logits, batched, ragged and incremental."""
+    path = os.path.join(REPO_ROOT, "models", "demo", name)
+    lean = DraftRuntime(path, target_vocab_size=VOCAB)
+    plain = DraftRuntime(path, target_vocab_size=VOCAB, lean_forward=False)
+    assert lean.lean is not None and plain.lean is None
+    contexts = [context(37, seed=10), context(5, seed=11), context(60, seed=12)]
+    batches = [rt.open_batch(["a", "b", "c"], contexts) for rt in (lean, plain)]
+    torch.testing.assert_close(batches[0].logits, batches[1].logits, atol=1e-4, rtol=1e-4)
+    for token in (3, 99):
+        torch.testing.assert_close(
+            batches[0].extend([token] * 3), batches[1].extend([token] * 3), atol=1e-4, rtol=1e-4
+        )
+
+
+def test_lean_forward_is_not_used_where_it_does_not_apply(random_target):
+    from transformers import AutoConfig
+
+    from proposers.lean_llama import LeanLlama
+
+    runtime_ = DraftRuntime(random_target)
+    assert LeanLlama.supports(runtime_.model)
+    config = AutoConfig.from_pretrained(random_target)
+    config.attention_bias = True
+    runtime_.model.config = config
+    assert not LeanLlama.supports(runtime_.model)

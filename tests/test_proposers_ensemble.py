@@ -144,3 +144,22 @@ def test_ensemble_rejects_bad_inputs():
         EnsembleProposer([])
     with pytest.raises(ValueError, match="weights"):
         EnsembleProposer([runtime("draft-tiny")], [0.0])
+
+
+def test_row_sampling_draws_from_each_row():
+    """Inverse-CDF sampling draws each row from its own probabilities (chi-square, fixed seed)."""
+    from scipy.stats import chisquare
+
+    from proposers.sampling import sample_rows
+
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]])
+    draws = torch.stack([sample_rows(probs, [None, None]) for _ in range(4000)])
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=4).double()
+        support = probs[row] > 0
+        assert counts[~support].sum() == 0
+        expected = probs[row][support].double() * 4000
+        assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 0.001
+    seeded = [sample_rows(probs, [torch.Generator().manual_seed(5), None])[0] for _ in range(3)]
+    assert len(set(int(s) for s in seeded)) == 1  # a row with its own generator is reproducible
