@@ -17,7 +17,7 @@ import torch
 
 from proposers.base import DraftRequest, Proposer
 from proposers.draft_runtime import Draft, DraftRuntime
-from proposers.metrics import DraftMetrics
+from proposers.metrics import DraftMetrics, accepted_count
 from proposers.sampling import processed_probs_rows, sample_rows
 
 ADAPT_RATE = 0.05  # EMA step of the per-draft agreement used for adaptive weights
@@ -144,9 +144,7 @@ class EnsembleProposer(Proposer):
         if pending is None or len(request.context) <= pending.context_length:
             return
         emitted = list(request.context[pending.context_length:])
-        accepted = 0
-        while accepted < min(len(pending.tokens), len(emitted) - 1) and pending.tokens[accepted] == emitted[accepted]:
-            accepted += 1
+        accepted = accepted_count(pending.tokens, emitted)
         self.metrics.record_outcome(len(pending.tokens), accepted)
         verified = min(accepted + 1, len(pending.tokens), len(emitted))  # accepted ones + the rejected one
         for d, name in enumerate(self.names):

@@ -10,6 +10,14 @@ import time
 from dataclasses import dataclass, field
 
 
+def accepted_count(drafted: list[int], emitted: list[int]) -> int:
+    """Drafts the target accepted: the emitted tokens start with them, then one token of its own."""
+    accepted = 0
+    while accepted < min(len(drafted), len(emitted) - 1) and drafted[accepted] == emitted[accepted]:
+        accepted += 1
+    return accepted
+
+
 @dataclass
 class DraftMetrics:
     draft_names: list[str]
@@ -22,6 +30,8 @@ class DraftMetrics:
     verify_steps: int = 0  # observed (request, step) verifications
     fallback_requests: int = 0  # requests given no draft because of the draft's length limit
     tracked_requests: int = 0  # requests whose draft state is held right now
+    backoff_steps: int = 0  # steps in which adaptive γ drafted nothing because the batch was large
+    gamma_chosen: dict[int, int] = field(default_factory=dict)  # adaptive γ: requests x steps per γ
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     # Per draft: at verified positions, how often its own top token was the target's token.
@@ -70,6 +80,8 @@ class DraftMetrics:
             "verify_steps": self.verify_steps,
             "fallback_requests": self.fallback_requests,
             "tracked_requests": self.tracked_requests,
+            "backoff_steps": self.backoff_steps,
+            "gamma_chosen": {str(k): v for k, v in sorted(self.gamma_chosen.items())},
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "agreement": dict(self.agreement),

@@ -43,6 +43,14 @@ def test_valid_config(draft_dirs):
     assert config.draft_weights == (1.0, 3.0)
     assert config.draft_memory_budget_mb == 64
     assert config.adapt_draft_weights and not config.runner_shim
+    assert config.gamma_policy() is None
+
+
+def test_adaptive_gamma_config():
+    config = SpecPluginConfig.from_dict({"adaptive_gamma": {"mode": "cost_model", "gamma_min": 0, "max_batch": 8}})
+    policy = config.gamma_policy()
+    assert (policy.mode, policy.gamma_min, policy.max_batch, policy.raise_above) == ("cost_model", 0, 8, 0.8)
+    assert SpecPluginConfig.from_dict({"adaptive_gamma": True}).gamma_policy().mode == "threshold"
 
 
 def test_json_string_is_accepted():
@@ -68,6 +76,14 @@ MALFORMED = [
     ("budget bool", {"specplugin": {"draft_memory_budget_mb": True}}, "draft_memory_budget_mb"),
     ("shim flag not a bool", {"specplugin": {"runner_shim": "yes"}}, "runner_shim"),
     ("adapt flag not a bool", {"specplugin": {"adapt_draft_weights": 1}}, "adapt_draft_weights"),
+    ("adaptive gamma not an object", {"specplugin": {"adaptive_gamma": 3}}, "adaptive_gamma"),
+    ("adaptive gamma unknown key", {"specplugin": {"adaptive_gamma": {"gama_max": 3}}}, "adaptive_gamma.gama_max"),
+    ("adaptive gamma bad mode", {"specplugin": {"adaptive_gamma": {"mode": "fast"}}}, "adaptive_gamma"),
+    ("adaptive gamma thresholds crossed",
+     {"specplugin": {"adaptive_gamma": {"raise_above": 0.5, "lower_below": 0.7}}}, "adaptive_gamma"),
+    ("adaptive gamma negative min", {"specplugin": {"adaptive_gamma": {"gamma_min": -1}}}, "adaptive_gamma"),
+    ("adaptive gamma max_batch 0", {"specplugin": {"adaptive_gamma": {"max_batch": 0}}}, "adaptive_gamma.max_batch"),
+    ("adaptive gamma ema string", {"specplugin": {"adaptive_gamma": {"ema_weight": "0.3"}}}, "adaptive_gamma.ema_weight"),
     ("invalid JSON string", "{specplugin: ", "additional_config"),
 ]
 

@@ -73,6 +73,7 @@ class MultiDraftProposer(_CustomClassAdapter):
 
         from proposers.draft_runtime import DraftRuntime
         from proposers.ensemble import EnsembleProposer
+        from proposers.gamma import AdaptiveGamma
         from vllm_specplugin.config import SpecPluginConfigError
         from vllm_specplugin.metrics import MetricsPublisher
 
@@ -96,20 +97,24 @@ class MultiDraftProposer(_CustomClassAdapter):
             )
             for path in self.config.drafts
         ]
-        self.proposer = EnsembleProposer(
+        self.ensemble = EnsembleProposer(
             runtimes, self.config.draft_weights, adapt_weights=self.config.adapt_draft_weights
         )
+        self.gamma_policy = self.config.gamma_policy()
+        self.proposer = self.ensemble if self.gamma_policy is None else AdaptiveGamma(self.ensemble, self.gamma_policy)
         self.device = device
         self._batch_view = None
         self._last_probs = None
         self._generators: dict[str, object] = {}
         self._warned_no_shim = False
         label = "ensemble" if len(runtimes) > 1 else "draft"
-        self.publisher = MetricsPublisher(self.proposer.metrics, f"{label}[{', '.join(self.proposer.names)}]")
+        self.publisher = MetricsPublisher(self.ensemble.metrics, f"{label}[{', '.join(self.ensemble.names)}]")
         logger.info(
-            "specplugin %s proposer: drafts %s, weights %s, k=%d, dtype %s, memory budget %d MiB",
-            label, list(self.config.drafts), [round(w, 3) for w in self.proposer.weights.tolist()],
-            self.num_speculative_tokens, self.config.draft_dtype, self.config.draft_memory_budget_mb,
+            "specplugin %s proposer: drafts %s, weights %s, k=%d, %s, dtype %s, memory budget %d MiB",
+            label, list(self.config.drafts), [round(w, 3) for w in self.ensemble.weights.tolist()],
+            self.num_speculative_tokens,
+            "fixed gamma" if self.gamma_policy is None else f"adaptive gamma {self.gamma_policy}",
+            self.config.draft_dtype, self.config.draft_memory_budget_mb,
         )
 
     # -- runner shim hooks -----------------------------------------------------------------
@@ -188,4 +193,4 @@ class MultiDraftProposer(_CustomClassAdapter):
             self.proposer.free(rid)
         for rid in set(self._generators) - live:
             del self._generators[rid]
-        self.proposer.metrics.tracked_requests = len(self.proposer.tracked_request_ids())
+        self.ensemble.metrics.tracked_requests = len(self.proposer.tracked_request_ids())

@@ -49,6 +49,16 @@ class SpecPluginConfig:
     # The runner shim: hands the proposer request ids and sampling settings, and hands the
     # proposer's q to vLLM's rejection sampler. Off: drafts are greedy, verified as one-hot.
     runner_shim: bool = True
+    # Adaptive γ (proposers/gamma.py): null for a fixed γ = num_speculative_tokens, or an object
+    # with any of mode ("threshold" | "cost_model"), gamma_min, raise_above, lower_below,
+    # ema_weight, max_batch (no drafting above this batch size), cost_ratio (c; null: measured).
+    adaptive_gamma: dict | None = None
+
+    def gamma_policy(self):
+        """The validated adaptive-γ policy, or None for a fixed γ."""
+        from proposers.gamma import GammaPolicy
+
+        return None if self.adaptive_gamma is None else GammaPolicy(**self.adaptive_gamma)
 
     @classmethod
     def from_additional_config(cls, additional_config: Any) -> SpecPluginConfig:
@@ -88,6 +98,8 @@ class SpecPluginConfig:
             values["draft_dtype"] = _choice(raw, "draft_dtype", DRAFT_DTYPES)
         if "draft_memory_budget_mb" in raw:
             values["draft_memory_budget_mb"] = _positive_int(raw, "draft_memory_budget_mb")
+        if raw.get("adaptive_gamma") is not None:
+            values["adaptive_gamma"] = _gamma_policy(raw["adaptive_gamma"])
         for field in ("adapt_draft_weights", "runner_shim"):
             if field in raw:
                 values[field] = _bool(raw, field)
@@ -105,6 +117,44 @@ def _choice(raw: Mapping, field: str, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise SpecPluginConfigError(field, f"expected one of {list(choices)}, got {value!r}")
     return value
+
+
+_GAMMA_FIELDS = {
+    "mode": str, "gamma_min": int, "raise_above": float, "lower_below": float,
+    "ema_weight": float, "max_batch": int, "cost_ratio": float,
+}
+
+
+def _gamma_policy(value: Any) -> dict:
+    from proposers.gamma import GammaPolicy
+
+    if value is True:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise SpecPluginConfigError("adaptive_gamma", f"expected an object (or true, or null), got {value!r}")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        field = f"adaptive_gamma.{key}"
+        kind = _GAMMA_FIELDS.get(key)
+        if kind is None:
+            raise SpecPluginConfigError(field, f"unknown key; known keys are {', '.join(_GAMMA_FIELDS)}")
+        if item is None and key in ("max_batch", "cost_ratio"):
+            out[key] = None
+            continue
+        if isinstance(item, bool) or not isinstance(item, (int, float) if kind is float else kind):
+            raise SpecPluginConfigError(field, f"expected {kind.__name__}, got {item!r}")
+        if kind is float and not math.isfinite(item):
+            raise SpecPluginConfigError(field, f"must be finite, got {item!r}")
+        if key in ("max_batch",) and item < 1:
+            raise SpecPluginConfigError(field, f"must be >= 1, got {item}")
+        if key == "cost_ratio" and item < 0:
+            raise SpecPluginConfigError(field, f"must be >= 0, got {item}")
+        out[key] = float(item) if kind is float else item
+    try:
+        GammaPolicy(**out)
+    except ValueError as exc:
+        raise SpecPluginConfigError("adaptive_gamma", str(exc)) from None
+    return out
 
 
 def _bool(raw: Mapping, field: str) -> bool:

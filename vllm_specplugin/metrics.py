@@ -114,6 +114,7 @@ class SnapshotCollector:
             ("verify_steps", "Verification steps observed (request x step)."),
             ("propose_calls", "Calls of the proposer."),
             ("fallback_requests", "Times a request got no draft because of the draft model's length limit."),
+            ("backoff_steps", "Steps in which adaptive gamma drafted nothing because the batch was large."),
         ]:
             family = CounterMetricFamily(f"specplugin:{key}", doc)
             family.add_metric([], total(key))
@@ -137,6 +138,16 @@ class SnapshotCollector:
             for position, count in sorted(counts.items()):
                 family.add_metric([str(position)], count)
             yield family
+        chosen = CounterMetricFamily(
+            "specplugin:gamma_chosen", "Adaptive gamma: requests x steps drafted with this gamma.", labels=["gamma"]
+        )
+        gammas: dict[str, int] = {}
+        for s in snapshots:
+            for gamma, count in s.get("gamma_chosen", {}).items():
+                gammas[gamma] = gammas.get(gamma, 0) + count
+        for gamma, count in sorted(gammas.items(), key=lambda item: int(item[0])):
+            chosen.add_metric([gamma], count)
+        yield chosen
         agreement = CounterMetricFamily(
             "specplugin:draft_agreement", "Verified positions where this draft's top token was the target's token.",
             labels=["draft"],

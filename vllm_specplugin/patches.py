@@ -47,7 +47,8 @@ def _wrap_engine_config_validation() -> None:
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
         vllm_config = original(self, *args, **kwargs)
-        SpecPluginConfig.from_additional_config(vllm_config.additional_config)
+        config = SpecPluginConfig.from_additional_config(vllm_config.additional_config)
+        _check_against_engine(config, vllm_config)
         from vllm_specplugin import metrics
 
         metrics.prepare_metrics_dir()  # the engine processes started next inherit its path
@@ -55,6 +56,19 @@ def _wrap_engine_config_validation() -> None:
 
     setattr(create_engine_config, _MARK, True)
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _check_against_engine(config: SpecPluginConfig, vllm_config) -> None:
+    """Settings that are valid alone but impossible with this engine's speculative config."""
+    from vllm_specplugin.config import SpecPluginConfigError
+
+    policy = config.gamma_policy()
+    spec = vllm_config.speculative_config
+    if policy is not None and spec is not None and policy.gamma_min > spec.num_speculative_tokens:
+        raise SpecPluginConfigError(
+            "adaptive_gamma.gamma_min",
+            f"is {policy.gamma_min}, above num_speculative_tokens = {spec.num_speculative_tokens} (the largest gamma)",
+        )
 
 
 def _wrap_worker_init() -> None:

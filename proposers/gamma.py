@@ -1,0 +1,164 @@
+"""Adaptive γ: how many tokens to draft for each request, from its recent acceptance.
+
+:class:`AdaptiveGamma` wraps any proposer. Per request it tracks the per-token acceptance α
+with an exponential moving average and picks γ for the next step:
+
+- ``threshold`` mode (the default rule): γ + 1 when α > ``raise_above``, γ − 1 when
+  α < ``lower_below``, within [``gamma_min``, γ_max];
+- ``cost_model`` mode: the γ in [0, γ_max] that maximises the expected speedup
+  (1 − α^(γ+1)) / ((1 − α)(1 + cγ)), with c the measured (or configured) cost of one draft token
+  relative to one target step. A request at γ = 0 is probed with γ = 1 every
+  ``PROBE_EVERY`` steps so that its α stays current.
+
+Batch-aware back-off: in a step with more than ``max_batch`` requests nobody drafts (γ = 0),
+because large batches make the target step compute-bound and speculation stops paying.
+Changing γ never affects exactness: each draft is verified the same way whatever its length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from proposers.base import DraftRequest, Proposer
+from proposers.draft_runtime import Draft
+from proposers.metrics import accepted_count
+from stats.speedup import optimal_gamma
+
+GAMMA_MODES = ("threshold", "cost_model")
+PROBE_EVERY = 8
+INITIAL_ALPHA = 0.7
+
+
+@dataclass(frozen=True)
+class GammaPolicy:
+    mode: str = "threshold"
+    gamma_min: int = 1
+    raise_above: float = 0.8
+    lower_below: float = 0.6
+    ema_weight: float = 0.3  # weight of the newest step in the acceptance average
+    max_batch: int | None = None  # back-off: no drafting in steps with more requests than this
+    cost_ratio: float | None = None  # c for cost_model; None: measured while serving
+
+    def __post_init__(self):
+        if self.mode not in GAMMA_MODES:
+            raise ValueError(f"mode must be one of {GAMMA_MODES}, got {self.mode!r}")
+        if self.gamma_min < 0:
+            raise ValueError(f"gamma_min must be >= 0, got {self.gamma_min}")
+        if not 0 <= self.lower_below <= self.raise_above <= 1:
+            raise ValueError(
+                f"need 0 <= lower_below <= raise_above <= 1, got {self.lower_below} and {self.raise_above}"
+            )
+        if not 0 < self.ema_weight <= 1:
+            raise ValueError(f"ema_weight must be in (0, 1], got {self.ema_weight}")
+
+
+@dataclass
+class _RequestState:
+    gamma: int
+    alpha: float = INITIAL_ALPHA
+    steps_at_zero: int = 0
+    pending: tuple[int, list[int]] | None = None  # (context length, drafted tokens) of the last draft
+
+
+class AdaptiveGamma(Proposer):
+    """Chooses each request's γ, then lets ``inner`` draft that many tokens."""
+
+    def __init__(self, inner: Proposer, policy: GammaPolicy = GammaPolicy()):
+        self.inner = inner
+        self.policy = policy
+        self.vocab_size = inner.vocab_size
+        self.metrics = getattr(inner, "metrics", None)
+        self._states: dict[str, _RequestState] = {}
+        self._cost_ratio = policy.cost_ratio
+        self._last_call_end: float | None = None
+        self._last_ids: set[str] = set()
+
+    def free(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+        self.inner.free(request_id)
+
+    def tracked_request_ids(self) -> set[str]:
+        ids = set(self._states)
+        if hasattr(self.inner, "tracked_request_ids"):
+            ids |= self.inner.tracked_request_ids()
+        return ids
+
+    def gamma_of(self, request_id: str) -> int | None:
+        state = self._states.get(request_id)
+        return None if state is None else state.gamma
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        started = time.perf_counter()
+        ids = {r.request_id for r in requests}
+        target_time = None
+        if self._last_call_end is not None and ids & self._last_ids:
+            target_time = started - self._last_call_end  # the engine's own work since our last call
+        for request in requests:
+            self._observe(request)
+        back_off = self.policy.max_batch is not None and len(requests) > self.policy.max_batch
+        chosen = []
+        for request in requests:
+            gamma = 0 if back_off else min(request.gamma, self._choose(request))
+            chosen.append(dataclasses.replace(request, gamma=gamma))
+        if self.metrics is not None:
+            self.metrics.backoff_steps += back_off
+            for request in chosen:
+                self.metrics.gamma_chosen[request.gamma] = self.metrics.gamma_chosen.get(request.gamma, 0) + 1
+        draft_started = time.perf_counter()
+        drafts = self.inner.propose(chosen)
+        draft_time = time.perf_counter() - draft_started
+        drafted = sum(len(d.token_ids) for d in drafts)
+        for request, draft in zip(requests, drafts):
+            state = self._states[request.request_id]
+            state.pending = (len(request.context), list(draft.token_ids)) if draft.token_ids else None
+        if self.policy.cost_ratio is None and target_time and drafted:
+            steps = max(d_len for d_len in (len(d.token_ids) for d in drafts))
+            measured = (draft_time / steps) / target_time  # one draft step (whole batch) / one target step
+            self._cost_ratio = measured if self._cost_ratio is None else 0.9 * self._cost_ratio + 0.1 * measured
+        self._last_call_end = time.perf_counter()
+        self._last_ids = ids
+        return drafts
+
+    def _observe(self, request: DraftRequest) -> None:
+        state = self._states.get(request.request_id)
+        if state is None:
+            self._states[request.request_id] = _RequestState(gamma=request.gamma)
+            return
+        if state.pending is None:
+            return
+        context_length, drafted = state.pending
+        emitted = list(request.context[context_length:])
+        state.pending = None
+        if not emitted:
+            return
+        accepted = accepted_count(drafted, emitted)
+        tested = min(len(drafted), accepted + 1)  # positions after the first rejection were not tested
+        weight = self.policy.ema_weight
+        state.alpha = (1 - weight) * state.alpha + weight * (accepted / tested)
+
+    def _choose(self, request: DraftRequest) -> int:
+        state = self._states[request.request_id]
+        gamma_max = request.gamma
+        policy = self.policy
+        if policy.mode == "threshold":
+            if state.alpha > policy.raise_above:
+                state.gamma += 1
+            elif state.alpha < policy.lower_below:
+                state.gamma -= 1
+            state.gamma = max(min(policy.gamma_min, gamma_max), min(state.gamma, gamma_max))
+            return state.gamma
+        cost = self._cost_ratio if self._cost_ratio is not None else 0.1
+        best = optimal_gamma(min(state.alpha, 0.999), cost, gamma_max) if gamma_max >= 1 else 0
+        state.gamma = max(min(policy.gamma_min, gamma_max), best)
+        if state.gamma == 0:
+            state.steps_at_zero += 1
+            if state.steps_at_zero % PROBE_EVERY == 0:
+                return min(1, gamma_max)  # a probe keeps alpha current
+        return state.gamma
+
+    @property
+    def cost_ratio(self) -> float | None:
+        return self._cost_ratio

@@ -1,0 +1,84 @@
+"""Adaptive γ: the threshold rule, the cost-model rule, the batch back-off, and the probe at γ = 0."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from proposers.base import DraftRequest
+from proposers.draft_runtime import DraftRuntime
+from proposers.ensemble import EnsembleProposer
+from proposers.gamma import PROBE_EVERY, AdaptiveGamma, GammaPolicy
+from verification.drivers import REPO_ROOT
+
+DRAFT = os.path.join(REPO_ROOT, "models", "demo", "draft-tiny")
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    return DraftRuntime(DRAFT, target_vocab_size=4096)
+
+
+def step(proposer, contexts: dict[str, list[int]], gamma_max: int, accept: bool) -> dict[str, int]:
+    """One engine step: draft, then the 'target' accepts every draft (or none) and adds a token."""
+    requests = [DraftRequest(rid, ctx, gamma_max) for rid, ctx in contexts.items()]
+    drafts = proposer.propose(requests)
+    lengths = {}
+    for request, draft in zip(requests, drafts):
+        lengths[request.request_id] = len(draft.token_ids)
+        kept = draft.token_ids if accept else []
+        wrong = (draft.token_ids[0] + 1) % 4096 if draft.token_ids and not accept else 7
+        contexts[request.request_id] = list(request.context) + kept + [wrong]
+    return lengths
+
+
+def test_threshold_rule_raises_and_lowers_gamma(runtime):
+    proposer = AdaptiveGamma(EnsembleProposer([runtime]), GammaPolicy(gamma_min=1))
+    contexts = {"r": np.random.default_rng(0).integers(3, 4096, 20).tolist()}
+    seen = [step(proposer, contexts, 6, accept=False)["r"]]
+    for _ in range(8):
+        seen.append(step(proposer, contexts, 6, accept=False)["r"])
+    assert seen[-1] == 1 and seen == sorted(seen, reverse=True)  # rejections: down to gamma_min
+    for _ in range(12):
+        seen.append(step(proposer, contexts, 6, accept=True)["r"])
+    assert seen[-1] == 6  # acceptance: up to gamma_max (the request's budget)
+    proposer.free("r")
+    assert proposer.tracked_request_ids() == set()
+
+
+def test_cost_model_rule_matches_the_speedup_formula(runtime):
+    from stats.speedup import expected_speedup
+
+    proposer = AdaptiveGamma(EnsembleProposer([runtime]), GammaPolicy(mode="cost_model", gamma_min=0, cost_ratio=0.2))
+    contexts = {"c": np.random.default_rng(1).integers(3, 4096, 20).tolist()}
+    for _ in range(10):
+        step(proposer, contexts, 8, accept=True)
+    state = proposer._states["c"]
+    speedups = [float(expected_speedup(min(state.alpha, 0.999), g, 0.2)) for g in range(1, 9)]
+    assert proposer.gamma_of("c") == 1 + int(np.argmax(speedups))
+    # Always rejected: speculation does not pay, gamma 0, with a probe every PROBE_EVERY steps.
+    lengths = [step(proposer, contexts, 8, accept=False)["c"] for _ in range(4 * PROBE_EVERY)]
+    assert lengths[-PROBE_EVERY:].count(0) == PROBE_EVERY - 1 and lengths[-PROBE_EVERY:].count(1) == 1
+
+
+def test_large_batches_back_off_to_no_drafting(runtime):
+    inner = EnsembleProposer([runtime])
+    proposer = AdaptiveGamma(inner, GammaPolicy(max_batch=4))
+    rng = np.random.default_rng(2)
+    small = {f"s{i}": rng.integers(3, 4096, 10).tolist() for i in range(4)}
+    large = {f"l{i}": rng.integers(3, 4096, 10).tolist() for i in range(5)}
+    assert all(n > 0 for n in step(proposer, small, 3, accept=True).values())
+    assert all(n == 0 for n in step(proposer, large, 3, accept=True).values())
+    assert inner.metrics.backoff_steps == 1
+    assert inner.metrics.gamma_chosen[0] == 5
+
+
+def test_policy_rejects_impossible_settings():
+    with pytest.raises(ValueError, match="mode"):
+        GammaPolicy(mode="magic")
+    with pytest.raises(ValueError, match="lower_below <= raise_above"):
+        GammaPolicy(raise_above=0.5, lower_below=0.6)
+    with pytest.raises(ValueError, match="gamma_min"):
+        GammaPolicy(gamma_min=-1)
