@@ -230,9 +230,6 @@ class DraftBatch:
     """The requests drafting this step, as one left-padded batch on one draft model."""
 
     def __init__(self, runtime: DraftRuntime, request_ids: list[str], contexts: list[list[int]]):
-        self.runtime = runtime
-        self.request_ids = request_ids
-        device = runtime.device
         caches = [runtime._take_cache(rid) for rid in request_ids]
         new_tokens: list[list[int]] = []
         for cache, context in zip(caches, contexts):
@@ -244,6 +241,29 @@ class DraftBatch:
                 runtime._prefill_alone(cache, pending[:-1])
                 pending = pending[-1:]
             new_tokens.append(pending)
+        self._build(runtime, request_ids, caches, new_tokens, writable=True)
+
+    @classmethod
+    def branches(cls, runtime: DraftRuntime, request_id: str, context: list[int], paths: list[list[int]]) -> DraftBatch:
+        """One row per path: ``context + path``, on top of the request's cache (for token trees).
+
+        Read-only: ``close()`` leaves the request's cache holding exactly ``context``.
+        """
+        if not context or not paths or not all(paths):
+            raise ValueError("branches need a context and non-empty paths")
+        cache = runtime._take_cache(request_id)
+        _rollback(cache, context, keep_last_uncached=False)
+        if len(cache.cached_tokens) < len(context):
+            runtime._prefill_alone(cache, context[len(cache.cached_tokens):])
+        batch = cls.__new__(cls)
+        batch._build(runtime, [request_id] * len(paths), [cache] * len(paths), [list(p) for p in paths], writable=False)
+        return batch
+
+    def _build(self, runtime, request_ids, caches, new_tokens, writable: bool) -> None:
+        self.runtime = runtime
+        self.request_ids = request_ids
+        self.writable = writable
+        device = runtime.device
         self._caches = caches
         batch_size = len(caches)
         past = max(len(c.cached_tokens) for c in caches)
@@ -287,6 +307,10 @@ class DraftBatch:
 
     def close(self) -> None:
         """Split the batch back into per-request caches and apply the memory budget."""
+        if not self.writable:
+            self._layers = []
+            self.runtime._enforce_budget()
+            return
         for row, cache in enumerate(self._caches):
             keep = self._valid[row].nonzero().squeeze(-1)
             cache.layers = [(k[row].index_select(1, keep), v[row].index_select(1, keep)) for k, v in self._layers]
@@ -318,9 +342,9 @@ def _left_pad(per_row, past: int, runtime: DraftRuntime) -> tuple[torch.Tensor, 
     return keys, values
 
 
-def _rollback(cache: _RequestCache, context: list[int]) -> None:
-    """Cut the cache to the prefix it shares with ``context``, keeping at least the last context
-    token uncached (its logits are needed)."""
+def _rollback(cache: _RequestCache, context: list[int], keep_last_uncached: bool = True) -> None:
+    """Cut the cache to the prefix it shares with ``context``; by default the last context token
+    stays uncached, since its logits are needed."""
     cached = cache.cached_tokens
     # Contexts change at the tail: compare the long head in one C-level slice comparison.
     head = max(0, min(len(cached), len(context)) - 16)
@@ -329,7 +353,8 @@ def _rollback(cache: _RequestCache, context: list[int]) -> None:
         if have != wanted:
             break
         common += 1
-    common = min(common, len(context) - 1)
+    if keep_last_uncached:
+        common = min(common, len(context) - 1)
     if common < len(cache.cached_tokens):
         del cache.cached_tokens[common:]
         cache.layers = [(k[:, :common], v[:, :common]) for k, v in cache.layers] if common else []

@@ -4,7 +4,10 @@ Each step every draft model runs one batched forward; their next-token distribut
 m = Σ_d w_d · softmax(logits_d), and the request's own temperature, top-k and top-p are applied
 to log m. Greedy requests take the argmax of m; others sample from the processed mixture, and
 that processed mixture is returned as q for exact verification. Weights are uniform by default;
-with ``adapt_weights`` they follow each draft's measured top-1 agreement with the target.
+with ``adapt_weights`` they are the posterior of a Bayesian mixture with forgetting: each draft's
+log-weight gains the log-probability it gave to every token the target emitted at a verified
+position (the exponentially weighted forecaster for log loss, which tracks the best draft or the
+best blend). Any weights are exact: q is whatever was sampled from.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from proposers.base import DraftRequest, Proposer
-from proposers.draft_runtime import Draft, DraftRuntime
+from proposers.draft_runtime import Draft, DraftBatch, DraftRuntime
 from proposers.metrics import DraftMetrics, accepted_count
 from proposers.sampling import processed_probs_rows, sample_rows
 
-ADAPT_RATE = 0.05  # EMA step of the per-draft agreement used for adaptive weights
-MIN_WEIGHT = 0.05  # an adapted weight never drops below this (before normalising)
+FORGETTING = 0.01  # per verified token, log-weights shrink by this factor (memory ~100 tokens)
+MIN_WEIGHT = 0.02  # an adapted weight never drops below this, so a draft can come back
 
 
 @dataclass
@@ -31,6 +34,7 @@ class _Pending:
     context_length: int
     tokens: list[int]
     top_tokens: list[list[int]]  # per draft model, per position: that draft's own argmax
+    draft_probs: torch.Tensor | None = None  # [positions, D, V] raw draft distributions (adaptive weights)
 
 
 class EnsembleProposer(Proposer):
@@ -57,7 +61,7 @@ class EnsembleProposer(Proposer):
         self.vocab_size = vocab_sizes.pop()
         self.prior = torch.tensor(weights, dtype=torch.float32) / sum(weights)
         self.adapt_weights = adapt_weights
-        self._agreement_ema = torch.full((len(runtimes),), 0.5)
+        self._log_evidence = torch.zeros(len(runtimes))
         self.names = _unique_names([rt.name for rt in runtimes])
         self.metrics = DraftMetrics(self.names)
         self._pending: dict[str, _Pending] = {}
@@ -78,6 +82,29 @@ class EnsembleProposer(Proposer):
         for rt in self.runtimes:
             ids.update(rt.request_ids)
         return ids
+
+    @torch.no_grad()
+    def branch_distributions(self, request_id: str, context: Sequence[int], paths: list[list[int]]) -> torch.Tensor:
+        """The unprocessed mixture m after ``context + path``, for each path [len(paths), V] (token
+        trees). The request's caches keep holding ``context``."""
+        mixture = None
+        for weight, rt in zip(self._weights.tolist(), self.runtimes):
+            batch = DraftBatch.branches(rt, request_id, list(context), paths)
+            part = weight * batch.logits.float().softmax(-1)
+            batch.close()
+            mixture = part if mixture is None else mixture + part
+        return mixture
+
+    @torch.no_grad()
+    def root_distribution(self, request_id: str, context: Sequence[int]) -> torch.Tensor:
+        """The unprocessed mixture m after ``context`` [V]; leaves the caches holding ``context``."""
+        mixture = None
+        for weight, rt in zip(self._weights.tolist(), self.runtimes):
+            batch = rt.open_batch([request_id], [list(context)])
+            part = weight * batch.logits[0].float().softmax(-1)
+            batch.close()
+            mixture = part if mixture is None else mixture + part
+        return mixture
 
     @torch.no_grad()
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
@@ -108,12 +135,15 @@ class EnsembleProposer(Proposer):
         tokens: list[list[int]] = [[] for _ in active]
         rows: list[list[torch.Tensor]] = [[] for _ in active]
         top_tokens = [[[] for _ in self.runtimes] for _ in active]
+        raw: list[torch.Tensor] = []  # per step [D, B, V], kept only for adaptive weights
         for step in range(max(gammas)):
             per_draft = torch.stack([batch.logits.float().softmax(-1) for batch in batches])  # [D, B, V]
             mixture = torch.einsum("d,dbv->bv", weights, per_draft)
             q = processed_probs_rows(mixture.log(), params)
             chosen = self._choose(q, active)
             own_top = per_draft.argmax(-1).T.tolist()  # [B, D]
+            if self.adapt_weights:
+                raw.append(per_draft)
             for row in range(len(active)):
                 if step < gammas[row]:
                     tokens[row].append(chosen[row])
@@ -127,7 +157,8 @@ class EnsembleProposer(Proposer):
             batch.close()
         for row, (index, request, _) in enumerate(active):
             drafts[index] = Draft(tokens[row], torch.stack(rows[row]))
-            self._pending[request.request_id] = _Pending(len(request.context), tokens[row], top_tokens[row])
+            kept = torch.stack([r[:, row] for r in raw[: len(tokens[row])]]) if raw else None
+            self._pending[request.request_id] = _Pending(len(request.context), tokens[row], top_tokens[row], kept)
 
     @staticmethod
     def _choose(q: torch.Tensor, active) -> list[int]:
@@ -151,16 +182,18 @@ class EnsembleProposer(Proposer):
             hits = sum(pending.top_tokens[d][j] == emitted[j] for j in range(verified))
             self.metrics.agreement[name] += hits
             self.metrics.verified_positions[name] += verified
-            if self.adapt_weights and verified:
-                rate = min(0.5, ADAPT_RATE * verified)
-                self._agreement_ema[d] = (1 - rate) * self._agreement_ema[d] + rate * (hits / verified)
-        if self.adapt_weights:
+        if self.adapt_weights and verified and pending.draft_probs is not None:
+            index = torch.tensor(emitted[:verified], device=pending.draft_probs.device)
+            probs = pending.draft_probs[:verified].gather(-1, index[:, None, None].expand(-1, len(self.names), 1))
+            log_likelihood = probs.squeeze(-1).clamp_min(1e-12).log().sum(0).cpu()  # [D]
+            self._log_evidence = (1 - FORGETTING) ** verified * self._log_evidence + log_likelihood
             self._update_weights()
 
     def _update_weights(self) -> None:
         weights = self.prior.clone()
         if self.adapt_weights:
-            weights = weights * self._agreement_ema.clamp_min(MIN_WEIGHT)
+            posterior = weights * torch.softmax(self._log_evidence - self._log_evidence.max(), 0)
+            weights = (posterior / posterior.sum()).clamp_min(MIN_WEIGHT)
         self._weights = weights / weights.sum()
         self.metrics.weights = dict(zip(self.names, self._weights.tolist()))
 

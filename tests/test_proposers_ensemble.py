@@ -163,3 +163,21 @@ def test_row_sampling_draws_from_each_row():
         assert chisquare(counts[support].numpy(), expected.numpy()).pvalue > 0.001
     seeded = [sample_rows(probs, [torch.Generator().manual_seed(5), None])[0] for _ in range(3)]
     assert len(set(int(s) for s in seeded)) == 1  # a row with its own generator is reproducible
+
+
+def test_branch_distributions_equal_full_forwards():
+    runtimes = [runtime("draft-small"), runtime("draft-tiny")]
+    proposer = EnsembleProposer(runtimes, [0.7, 0.3])
+    ctx = context(30, seed=8)
+    root = proposer.root_distribution("t", ctx)
+    expected_root = sum(w * full_forward_logits(rt, ctx).softmax(-1) for w, rt in zip([0.7, 0.3], runtimes))
+    torch.testing.assert_close(root, expected_root, atol=1e-5, rtol=1e-4)
+    paths = [[5], [9, 11], [5, 6, 7]]
+    mixture = proposer.branch_distributions("t", ctx, paths)
+    for row, path in enumerate(paths):
+        expected = sum(w * full_forward_logits(rt, ctx + path).softmax(-1) for w, rt in zip([0.7, 0.3], runtimes))
+        torch.testing.assert_close(mixture[row], expected, atol=1e-5, rtol=1e-4)
+    # The request's caches still hold exactly the context: the next step forwards only new tokens.
+    before = runtimes[0].tokens_forwarded
+    proposer.root_distribution("t", ctx + [3])
+    assert runtimes[0].tokens_forwarded - before == 1
