@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from proposers.lean_llama import LeanLlama
+from proposers.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
 from proposers.sampling import SamplingParams, processed_probs, sample
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class _RequestCache:
     cached_tokens: list[int] = field(default_factory=list)  # tokens whose K/V are in `layers`
     layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # [heads, len, dim]
     nbytes: int = 0
+    shared_chain: list = field(default_factory=list)  # prefix-cache nodes this request holds
 
 
 def load_causal_lm(path: str, dtype: str, device: str):
@@ -71,6 +73,8 @@ class DraftRuntime:
         device: str = "cpu",
         memory_budget_mb: float = 512,
         lean_forward: bool = True,
+        prefix_sharing: bool = False,
+        prefix_block_size: int = DEFAULT_BLOCK_SIZE,
     ):
         from transformers import AutoConfig
 
@@ -91,6 +95,7 @@ class DraftRuntime:
         # Llama drafts skip transformers' per-call overhead (same math; see proposers/lean_llama.py).
         self.lean = LeanLlama(self.model) if lean_forward and LeanLlama.supports(self.model) else None
         self.memory_budget_bytes = int(memory_budget_mb * 2**20)
+        self.prefix_cache = PrefixCache(prefix_block_size) if prefix_sharing else None
         self._caches: OrderedDict[str, _RequestCache] = OrderedDict()
         self._too_long_logged: set[str] = set()
         self.tokens_forwarded = 0  # real (unpadded) tokens run through the model, for cost accounting
@@ -101,7 +106,9 @@ class DraftRuntime:
 
     def free(self, request_id: str) -> None:
         """Drop a finished or aborted request's cache."""
-        self._caches.pop(request_id, None)
+        cache = self._caches.pop(request_id, None)
+        if cache is not None:
+            self._unshare(cache)
         self._too_long_logged.discard(request_id)
 
     @property
@@ -143,10 +150,44 @@ class DraftRuntime:
         self._caches[request_id] = cache  # most recently used last
         return cache
 
+    @property
+    def total_bytes(self) -> int:
+        return self.cache_bytes + (self.prefix_cache.nbytes if self.prefix_cache else 0)
+
     def _enforce_budget(self) -> None:
-        while self.cache_bytes > self.memory_budget_bytes and len(self._caches) > 1:
-            self._caches.popitem(last=False)
+        if self.prefix_cache is not None and self.total_bytes > self.memory_budget_bytes:
+            self.prefix_cache.evict(self.total_bytes - self.memory_budget_bytes)
+        while self.total_bytes > self.memory_budget_bytes and len(self._caches) > 1:
+            _, cache = self._caches.popitem(last=False)
+            self._unshare(cache)
             self.evictions += 1
+
+    # -- prefix sharing --------------------------------------------------------------------
+
+    def _start_from_shared_prefix(self, cache: _RequestCache, context: list[int]) -> None:
+        """An empty cache starts from the longest shared chain of whole blocks of the context."""
+        if self.prefix_cache is None or cache.cached_tokens:
+            return
+        chain = self.prefix_cache.match(context[:-1])
+        if chain:
+            cache.layers = self.prefix_cache.load(chain)
+            cache.cached_tokens = list(context[: len(chain) * self.prefix_cache.block_size])
+            self.prefix_cache.acquire(chain)
+            cache.shared_chain = chain
+
+    def _share(self, cache: _RequestCache) -> None:
+        """Offer a freshly prefilled cache's whole blocks to other requests."""
+        if self.prefix_cache is None:
+            return
+        chain = self.prefix_cache.insert(cache.cached_tokens, cache.layers)
+        self.prefix_cache.acquire(chain)
+        self.prefix_cache.release(cache.shared_chain)
+        cache.shared_chain = chain
+
+    def _unshare(self, cache: _RequestCache) -> None:
+        if self.prefix_cache is not None and cache.shared_chain:
+            self.prefix_cache.release(cache.shared_chain)
+            cache.shared_chain = []
 
     @torch.no_grad()
     def _forward_padded(self, layers, valid: torch.Tensor, input_ids, positions):
@@ -236,9 +277,13 @@ class DraftBatch:
             if not context:
                 raise ValueError("cannot draft after an empty context")
             _rollback(cache, context)
+            if not cache.cached_tokens:
+                runtime._unshare(cache)
+                runtime._start_from_shared_prefix(cache, context)
             pending = context[len(cache.cached_tokens):]
             if len(pending) > SOLO_PREFILL_THRESHOLD:
                 runtime._prefill_alone(cache, pending[:-1])
+                runtime._share(cache)
                 pending = pending[-1:]
             new_tokens.append(pending)
         self._build(runtime, request_ids, caches, new_tokens, writable=True)

@@ -84,6 +84,8 @@ MALFORMED = [
     ("adaptive gamma negative min", {"specplugin": {"adaptive_gamma": {"gamma_min": -1}}}, "adaptive_gamma"),
     ("adaptive gamma max_batch 0", {"specplugin": {"adaptive_gamma": {"max_batch": 0}}}, "adaptive_gamma.max_batch"),
     ("adaptive gamma ema string", {"specplugin": {"adaptive_gamma": {"ema_weight": "0.3"}}}, "adaptive_gamma.ema_weight"),
+    ("prefix sharing not a bool", {"specplugin": {"prefix_sharing": "on"}}, "prefix_sharing"),
+    ("prefix block size zero", {"specplugin": {"prefix_block_size": 0}}, "prefix_block_size"),
     ("invalid JSON string", "{specplugin: ", "additional_config"),
 ]
 

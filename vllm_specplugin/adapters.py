@@ -94,6 +94,8 @@ class MultiDraftProposer(_CustomClassAdapter):
                 dtype=self.config.draft_dtype,
                 device=str(device),
                 memory_budget_mb=budget,
+                prefix_sharing=self.config.prefix_sharing,
+                prefix_block_size=self.config.prefix_block_size,
             )
             for path in self.config.drafts
         ]

@@ -53,6 +53,9 @@ class SpecPluginConfig:
     # with any of mode ("threshold" | "cost_model"), gamma_min, raise_above, lower_below,
     # ema_weight, max_batch (no drafting above this batch size), cost_ratio (c; null: measured).
     adaptive_gamma: dict | None = None
+    # Share draft KV across requests with a common token prefix (a radix tree of token blocks).
+    prefix_sharing: bool = False
+    prefix_block_size: int = 16
 
     def gamma_policy(self):
         """The validated adaptive-γ policy, or None for a fixed γ."""
@@ -100,7 +103,9 @@ class SpecPluginConfig:
             values["draft_memory_budget_mb"] = _positive_int(raw, "draft_memory_budget_mb")
         if raw.get("adaptive_gamma") is not None:
             values["adaptive_gamma"] = _gamma_policy(raw["adaptive_gamma"])
-        for field in ("adapt_draft_weights", "runner_shim"):
+        if "prefix_block_size" in raw:
+            values["prefix_block_size"] = _positive_int(raw, "prefix_block_size")
+        for field in ("adapt_draft_weights", "runner_shim", "prefix_sharing"):
             if field in raw:
                 values[field] = _bool(raw, field)
         config = cls(**values)

@@ -1,0 +1,301 @@
+"""Tree drafting, EAGLE-2 style, submitted to the target as one chain.
+
+:func:`build_tree` grows a token tree from the draft's (processed) distributions: per depth it
+expands the frontier nodes with the highest cumulative path probability and gives each its most
+likely children, within a node budget. vLLM 0.32 verifies only chains, so :class:`TreeProposer`
+submits one root-to-node path: the one with the highest expected accepted length had the target
+behaved like the draft. :class:`TokenTree` keeps what a later tree verifier needs (every node's
+draft distribution q and the tree attention mask).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from proposers.base import DraftRequest, Proposer
+from proposers.draft_runtime import Draft
+from proposers.ensemble import EnsembleProposer
+from proposers.metrics import accepted_count
+from proposers.sampling import processed_probs, processed_probs_rows
+
+ROOT = 0
+
+
+@dataclass
+class TokenTree:
+    """Draft tokens as a tree; node 0 is the root ("after the context", token -1, parent -1).
+
+    Nodes are stored parents first (breadth-first), so ``parents[i] < i`` for every i > 0.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    # [num_nodes, V]: for node i > 0 the draft distribution q at its parent, from which its token
+    # was chosen (row 0: zeros). A lossless tree verifier needs exactly these.
+    node_probs: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, parent in enumerate(self.parents) if parent == node]
+
+    def ancestry(self, node: int) -> list[int]:
+        """Nodes root -> ``node``, both included."""
+        chain = [node]
+        while self.parents[chain[-1]] >= 0:
+            chain.append(self.parents[chain[-1]])
+        return chain[::-1]
+
+    def path(self, node: int) -> list[int]:
+        """The draft tokens root -> ``node`` (the root itself has none)."""
+        return [self.tokens[i] for i in self.ancestry(node)[1:]]
+
+    def token_prob(self, node: int) -> float:
+        """q(token) for the node's own token, under its parent's distribution."""
+        return float(self.node_probs[node, self.tokens[node]]) if node != ROOT else 1.0
+
+    def path_probability(self, node: int) -> float:
+        """Product of q(x_j) along the path: the chance the draft itself would have produced it."""
+        probability = 1.0
+        for i in self.ancestry(node)[1:]:
+            probability *= self.token_prob(i)
+        return probability
+
+    def expected_accepted_length(self, node: int) -> float:
+        """Σ over the path's nodes of the path probability up to that node: the expected number
+        of accepted tokens if the target behaved like the draft (token j is accepted iff all
+        tokens up to j are)."""
+        total, probability = 0.0, 1.0
+        for i in self.ancestry(node)[1:]:
+            probability *= self.token_prob(i)
+            total += probability
+        return total
+
+    def best_node(self, max_depth: int | None = None) -> int:
+        """The node whose path has the highest expected accepted length (ties: the earlier node,
+        which favours shallower and greedy-first nodes); the root when nothing else qualifies."""
+        best, best_value = ROOT, 0.0
+        for node in range(1, self.num_nodes):
+            if max_depth is not None and self.depths[node] > max_depth:
+                continue
+            value = self.expected_accepted_length(node)
+            if value > best_value:
+                best, best_value = node, value
+        return best
+
+    def greedy_chain_node(self) -> int:
+        """Follow the child with the largest q (the argmax token) at each depth while there is one;
+        the end of the greedy chain, for comparisons."""
+        node = ROOT
+        while True:
+            kids = self.children(node)
+            if not kids:
+                return node
+            # max() keeps the first of equals: build_tree adds the argmax child first.
+            node = max(kids, key=self.token_prob)
+
+    def attention_mask(self) -> torch.Tensor:
+        """Tree attention [N, N] bool: node i attends to itself and its ancestors."""
+        mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.bool)
+        for node in range(self.num_nodes):
+            mask[node, self.ancestry(node)] = True
+        return mask
+
+
+def build_tree(
+    root_q: torch.Tensor,
+    expand: Callable[[list[list[int]]], torch.Tensor],
+    node_budget: int,
+    depth_limit: int,
+    branching: int,
+) -> TokenTree:
+    """Grow a token tree EAGLE-2 style.
+
+    ``root_q`` [V] is the processed draft distribution after the context; ``expand(paths)``
+    returns [len(paths), V], the processed distributions after each path (one call per depth,
+    batched over the expanded frontier). Per depth, the ``branching`` frontier nodes with the
+    highest cumulative path probability each get their ``branching`` most likely children (only
+    tokens with q > 0); growth stops at ``depth_limit`` or when ``node_budget`` draft nodes (the
+    root not counted) exist, the budget keeping the children of highest cumulative probability.
+
+    The greedy chain (argmax at every depth) is always in the tree when ``node_budget`` >=
+    ``depth_limit``: the argmax-path node is always expanded and its argmax child always kept
+    first, so every chain the plain greedy drafter would propose is a candidate path.
+    """
+    if node_budget < 0 or depth_limit < 0 or branching < 1:
+        raise ValueError(
+            f"need node_budget >= 0, depth_limit >= 0, branching >= 1; got {node_budget}, {depth_limit}, {branching}"
+        )
+    vocab = root_q.shape[-1]
+    tokens, parents, depths = [-1], [-1], [0]
+    rows = [torch.zeros(vocab, dtype=torch.float32, device=root_q.device)]
+    cumulative = [1.0]  # path probability per node, kept here to rank without recomputing
+    greedy = ROOT  # the node at the end of the greedy chain so far
+    frontier, frontier_q = [ROOT], root_q[None].float()
+    for depth in range(1, depth_limit + 1):
+        room = node_budget - (len(tokens) - 1)
+        if room <= 0:
+            break
+        # Candidate children: (cumulative probability, parent, token, parent's q row index).
+        candidates: list[tuple[float, int, int, int]] = []
+        greedy_candidate = None
+        for row, parent in enumerate(frontier):
+            q = frontier_q[row]
+            values, ids = q.topk(min(branching, vocab))
+            argmax = int(q.argmax())
+            for value, token in zip(values.tolist(), ids.tolist()):
+                if value <= 0:
+                    continue
+                candidate = (cumulative[parent] * value, parent, token, row)
+                if parent == greedy and token == argmax:
+                    greedy_candidate = candidate
+                else:
+                    candidates.append(candidate)
+            if parent == greedy and greedy_candidate is None:
+                # top-k broke a tie away from argmax: keep the argmax token in its place.
+                candidate = (cumulative[parent] * float(q[argmax]), parent, argmax, row)
+                candidates = [c for c in candidates if not (c[1] == parent and c[2] == argmax)]
+                greedy_candidate = candidate
+        candidates.sort(key=lambda c: -c[0])  # stable: ties keep frontier and top-k order
+        if greedy_candidate is not None:
+            candidates.insert(0, greedy_candidate)
+        layer = candidates[:room]
+        if not layer:
+            break
+        # Add the layer, parents' order first so a parent's children stay together.
+        layer.sort(key=lambda c: (frontier.index(c[1]), -c[0]) if c is not greedy_candidate else (-1, 0.0))
+        first_new = len(tokens)
+        for probability, parent, token, row in layer:
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(depth)
+            rows.append(frontier_q[row].float())
+            cumulative.append(probability)
+        if greedy_candidate is not None:
+            greedy = first_new  # the greedy child was added first
+        if depth == depth_limit or len(tokens) - 1 >= node_budget:
+            break
+        # Next frontier: the greedy node plus the most probable others, up to `branching`.
+        new_nodes = list(range(first_new, len(tokens)))
+        others = sorted((n for n in new_nodes if n != greedy), key=lambda n: -cumulative[n])
+        frontier = ([greedy] if greedy in new_nodes else []) + others
+        frontier = frontier[:branching]
+        frontier_q = expand([_path(tokens, parents, n) for n in frontier]).float()
+    return TokenTree(tokens, parents, depths, torch.stack(rows))
+
+
+def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    path = []
+    while node > ROOT:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
+@dataclass
+class TreeStats:
+    """Per-proposer totals for comparing the chosen path with the greedy chain."""
+
+    trees: int = 0
+    nodes: int = 0  # draft nodes (root not counted) over all trees
+    chosen_expected_length: float = 0.0  # Σ expected accepted length of the submitted path
+    greedy_expected_length: float = 0.0  # Σ the same for the greedy chain of the same tree
+    drafted_tokens: int = 0
+    expand_calls: int = 0
+
+    def snapshot(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Pending:
+    context_length: int
+    tokens: list[int] = field(default_factory=list)
+
+
+class TreeProposer(Proposer):
+    """Grows a token tree per request on an :class:`EnsembleProposer`'s drafts (1–3 models) and
+    proposes the path with the highest expected accepted length, as a chain."""
+
+    def __init__(self, ensemble: EnsembleProposer, node_budget: int = 16, branching: int = 3):
+        if node_budget < 1 or branching < 1:
+            raise ValueError(f"need node_budget >= 1 and branching >= 1, got {node_budget} and {branching}")
+        self.ensemble = ensemble
+        self.node_budget = node_budget
+        self.branching = branching
+        self.vocab_size = ensemble.vocab_size
+        self.stats = TreeStats()
+        self.last_trees: dict[str, TokenTree] = {}  # the latest tree per request (inspection, tests)
+        self._pending: dict[str, _Pending] = {}
+
+    @property
+    def metrics(self):
+        return self.ensemble.metrics
+
+    def free(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self.last_trees.pop(request_id, None)
+        self.ensemble.free(request_id)
+
+    def tracked_request_ids(self) -> set[str]:
+        return set(self._pending) | set(self.last_trees) | self.ensemble.tracked_request_ids()
+
+    @torch.no_grad()
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        started = time.perf_counter()
+        # The ensemble's own step timing (its propose() is not called when wrapped).
+        self.ensemble._time_step(started, requests)
+        drafts = []
+        for request in requests:
+            self._observe(request)
+            drafts.append(self._draft_one(request))
+        self.metrics.propose_calls += 1
+        self.metrics.draft_time_s += time.perf_counter() - started
+        return drafts
+
+    def _draft_one(self, request: DraftRequest) -> Draft:
+        rid, context, params = request.request_id, list(request.context), request.params
+        depth = min(rt.room(rid, len(context), request.gamma) for rt in self.ensemble.runtimes)
+        if depth == 0 and request.gamma > 0:
+            self.metrics.fallback_requests += 1
+        if depth == 0 or not context:
+            return self.empty_draft()
+        root_q = processed_probs(self.ensemble.root_distribution(rid, context).log(), params)
+
+        def expand(paths: list[list[int]]) -> torch.Tensor:
+            self.stats.expand_calls += 1
+            mixture = self.ensemble.branch_distributions(rid, context, paths)
+            return processed_probs_rows(mixture.log(), [params] * len(paths))
+
+        tree = build_tree(root_q, expand, self.node_budget, depth, self.branching)
+        node = tree.best_node(max_depth=depth)
+        tokens = tree.path(node)
+        self.last_trees[rid] = tree
+        self.stats.trees += 1
+        self.stats.nodes += tree.num_nodes - 1
+        self.stats.chosen_expected_length += tree.expected_accepted_length(node)
+        self.stats.greedy_expected_length += tree.expected_accepted_length(tree.greedy_chain_node())
+        self.stats.drafted_tokens += len(tokens)
+        if not tokens:
+            return self.empty_draft()
+        self._pending[rid] = _Pending(len(context), tokens)
+        # The path is a deterministic function of the draft's distributions (no sampling), so for
+        # the chain verifier each token was "drawn" from the one-hot at itself: one-hot q is the
+        # exact verification distribution (accept with p(x), else resample from p without x).
+        probs = torch.nn.functional.one_hot(torch.tensor(tokens), self.vocab_size).float()
+        return Draft(tokens, probs.to(root_q.device))
+
+    def _observe(self, request: DraftRequest) -> None:
+        """Score the request's previous draft against the tokens the target emitted since."""
+        pending = self._pending.pop(request.request_id, None)
+        if pending is None or len(request.context) <= pending.context_length:
+            return
+        emitted = list(request.context[pending.context_length:])
+        self.metrics.record_outcome(len(pending.tokens), accepted_count(pending.tokens, emitted))
