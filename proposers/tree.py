@@ -125,9 +125,10 @@ def build_tree(
     tokens with q > 0); growth stops at ``depth_limit`` or when ``node_budget`` draft nodes (the
     root not counted) exist, the budget keeping the children of highest cumulative probability.
 
-    The greedy chain (argmax at every depth) is always in the tree when ``node_budget`` >=
-    ``depth_limit``: the argmax-path node is always expanded and its argmax child always kept
-    first, so every chain the plain greedy drafter would propose is a candidate path.
+    The greedy chain (argmax at every depth) is always in the tree, to depth
+    min(``depth_limit``, ``node_budget``): the argmax-path node is always expanded, its argmax
+    child is always kept, and each layer leaves one node of the budget per deeper level for it.
+    So the best path is never worse, by expected accepted length, than greedy drafting.
     """
     if node_budget < 0 or depth_limit < 0 or branching < 1:
         raise ValueError(
@@ -143,34 +144,34 @@ def build_tree(
         room = node_budget - (len(tokens) - 1)
         if room <= 0:
             break
-        # Candidate children: (cumulative probability, parent, token, parent's q row index).
+        # Candidate children: (cumulative probability, parent, token, parent's row in frontier_q).
         candidates: list[tuple[float, int, int, int]] = []
         greedy_candidate = None
         for row, parent in enumerate(frontier):
             q = frontier_q[row]
-            values, ids = q.topk(min(branching, vocab))
+            # The argmax first (top-k may break a tie elsewhere), then the next most likely.
             argmax = int(q.argmax())
-            for value, token in zip(values.tolist(), ids.tolist()):
-                if value <= 0:
+            top = [argmax] + [t for t in q.topk(min(branching, vocab)).indices.tolist() if t != argmax]
+            for token in top[:branching]:
+                value = float(q[token])
+                if value <= 0:  # outside top-k / top-p: the draft would never choose it
                     continue
                 candidate = (cumulative[parent] * value, parent, token, row)
                 if parent == greedy and token == argmax:
                     greedy_candidate = candidate
                 else:
                     candidates.append(candidate)
-            if parent == greedy and greedy_candidate is None:
-                # top-k broke a tie away from argmax: keep the argmax token in its place.
-                candidate = (cumulative[parent] * float(q[argmax]), parent, argmax, row)
-                candidates = [c for c in candidates if not (c[1] == parent and c[2] == argmax)]
-                greedy_candidate = candidate
         candidates.sort(key=lambda c: -c[0])  # stable: ties keep frontier and top-k order
-        if greedy_candidate is not None:
-            candidates.insert(0, greedy_candidate)
-        layer = candidates[:room]
+        if greedy_candidate is None:
+            layer = candidates[:room]
+        else:
+            # The greedy child goes first (lowest index in its layer) and the other children
+            # leave one node per deeper level, so the greedy chain always reaches the depth limit
+            # when the budget allows (otherwise wide early layers would spend it all).
+            reserve = depth_limit - depth
+            layer = [greedy_candidate] + candidates[: max(0, room - 1 - reserve)]
         if not layer:
             break
-        # Add the layer, parents' order first so a parent's children stay together.
-        layer.sort(key=lambda c: (frontier.index(c[1]), -c[0]) if c is not greedy_candidate else (-1, 0.0))
         first_new = len(tokens)
         for probability, parent, token, row in layer:
             tokens.append(token)

@@ -1,0 +1,252 @@
+"""Tree drafting: the tree's shape and probabilities, path choice, and the chain proposer on top."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from proposers.base import GREEDY, DraftRequest
+from proposers.draft_runtime import DraftRuntime
+from proposers.ensemble import EnsembleProposer
+from proposers.sampling import SamplingParams, processed_probs
+from proposers.tree import TokenTree, TreeProposer, build_tree
+from verification.drivers import REPO_ROOT
+
+DEMO = os.path.join(REPO_ROOT, "models", "demo")
+VOCAB = 4096
+TOP_K_50 = SamplingParams(temperature=1.0, top_k=50)
+
+
+@pytest.fixture(scope="module")
+def drafts() -> dict[str, DraftRuntime]:
+    names = ("draft-small", "draft-tiny", "draft-distill")
+    return {n: DraftRuntime(os.path.join(DEMO, n), target_vocab_size=VOCAB) for n in names}
+
+
+def context(length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, VOCAB, size=length).tolist()
+
+
+def ancestors(tree: TokenTree, node: int) -> set[int]:
+    found = {node}
+    while tree.parents[node] >= 0:
+        node = tree.parents[node]
+        found.add(node)
+    return found
+
+
+def check_invariants(tree: TokenTree, node_budget: int, depth_limit: int, branching: int) -> None:
+    n = tree.num_nodes
+    assert (tree.tokens[0], tree.parents[0], tree.depths[0]) == (-1, -1, 0)
+    assert tree.node_probs.shape == (n, tree.node_probs.shape[1]) and not tree.node_probs[0].any()
+    assert n - 1 <= node_budget and max(tree.depths) <= depth_limit
+    for node in range(1, n):
+        parent = tree.parents[node]
+        assert 0 <= parent < node  # parents precede children
+        assert tree.depths[node] == tree.depths[parent] + 1
+        row = tree.node_probs[node]
+        assert abs(float(row.sum()) - 1) < 1e-4 and float(row.min()) >= 0
+        assert tree.token_prob(node) > 0  # each token had mass under the distribution it came from
+    for node in range(n):
+        kids = tree.children(node)
+        assert len(kids) <= branching and len({tree.tokens[k] for k in kids}) == len(kids)
+        # Siblings share their parent's distribution.
+        for kid in kids[1:]:
+            assert torch.equal(tree.node_probs[kid], tree.node_probs[kids[0]])
+    mask = tree.attention_mask()
+    expected = torch.zeros(n, n, dtype=torch.bool)
+    for node in range(n):
+        expected[node, list(ancestors(tree, node))] = True
+    assert torch.equal(mask, expected)
+
+
+# -- the tree itself, on hand-made distributions ---------------------------------------------
+
+
+def hand_tree() -> TokenTree:
+    r"""root -> a (token 0, q .5), b (token 1, q .3); a -> c (token 2, q .1); b -> d (token 3, q 1)."""
+    q_root = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q_a = torch.tensor([0.4, 0.4, 0.1, 0.1])
+    q_b = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    probs = torch.stack([torch.zeros(4), q_root, q_root, q_a, q_b])
+    return TokenTree(tokens=[-1, 0, 1, 2, 3], parents=[-1, 0, 0, 1, 2], depths=[0, 1, 1, 2, 2], node_probs=probs)
+
+
+def test_expected_accepted_length_on_a_hand_built_tree():
+    tree = hand_tree()
+    check_invariants(tree, node_budget=4, depth_limit=2, branching=2)
+    assert tree.path(3) == [0, 2] and tree.path(4) == [1, 3] and tree.path(0) == []
+    assert tree.path_probability(3) == pytest.approx(0.5 * 0.1)
+    assert tree.path_probability(4) == pytest.approx(0.3 * 1.0)
+    # Token j is accepted iff every token up to j is: E[accepted] = Σ_j Π_{i<=j} q(x_i).
+    expected = {0: 0.0, 1: 0.5, 2: 0.3, 3: 0.5 + 0.5 * 0.1, 4: 0.3 + 0.3 * 1.0}
+    for node, value in expected.items():
+        assert tree.expected_accepted_length(node) == pytest.approx(value)
+    assert tree.best_node() == 4  # the less likely first token leads to the better path
+    assert tree.best_node(max_depth=1) == 1
+    assert tree.best_node(max_depth=0) == 0
+    assert tree.greedy_chain_node() == 3  # argmax first token (a), then its only child
+    assert tree.attention_mask().tolist() == [
+        [True, False, False, False, False],
+        [True, True, False, False, False],
+        [True, False, True, False, False],
+        [True, True, False, True, False],
+        [True, False, True, False, True],
+    ]
+
+
+class FakeDraft:
+    """Deterministic peaked distributions per path over a small vocabulary; counts expand calls."""
+
+    def __init__(self, vocab: int = 32, scale: float = 3.0):
+        self.vocab, self.scale = vocab, scale
+        self.calls: list[list[list[int]]] = []
+
+    def q(self, path: list[int]) -> torch.Tensor:
+        seed = hash(tuple(path)) % 2**31
+        logits = torch.randn(self.vocab, generator=torch.Generator().manual_seed(seed)) * self.scale
+        return logits.softmax(-1)
+
+    def expand(self, paths: list[list[int]]) -> torch.Tensor:
+        self.calls.append([list(p) for p in paths])
+        assert all(paths)
+        return torch.stack([self.q(p) for p in paths])
+
+
+@pytest.mark.parametrize("node_budget,depth_limit,branching", [(16, 5, 3), (7, 4, 2), (30, 3, 4), (5, 5, 3), (3, 6, 1)])
+def test_build_tree_invariants_and_greedy_chain(node_budget, depth_limit, branching):
+    draft = FakeDraft()
+    tree = build_tree(draft.q([]), draft.expand, node_budget, depth_limit, branching)
+    check_invariants(tree, node_budget, depth_limit, branching)
+    # One expand call per depth, over at most `branching` frontier nodes.
+    assert len(draft.calls) <= depth_limit - 1 and all(len(c) <= branching for c in draft.calls)
+    assert [len(c[0]) for c in draft.calls] == list(range(1, len(draft.calls) + 1))
+    # Each node's row is the distribution after its parent's path.
+    for node in range(1, tree.num_nodes):
+        torch.testing.assert_close(tree.node_probs[node], draft.q(tree.path(tree.parents[node])))
+    # The greedy chain is in the tree, to the full depth the budget allows.
+    greedy, path = tree.greedy_chain_node(), []
+    for _ in range(min(depth_limit, node_budget)):
+        path.append(int(draft.q(path).argmax()))
+    assert tree.path(greedy) == path
+    best = tree.best_node(depth_limit)
+    assert tree.expected_accepted_length(best) >= tree.expected_accepted_length(greedy)
+    assert tree.num_nodes - 1 == node_budget or tree.depths[-1] == depth_limit
+
+
+def test_budget_cut_keeps_the_most_probable_children():
+    draft = FakeDraft(scale=1.5)
+    full = build_tree(draft.q([]), draft.expand, node_budget=100, depth_limit=2, branching=3)
+    cut = build_tree(draft.q([]), draft.expand, node_budget=3 + 4, depth_limit=2, branching=3)
+    assert full.num_nodes - 1 == 3 + 9 and cut.num_nodes - 1 == 7
+    layer = [n for n in range(full.num_nodes) if full.depths[n] == 2]
+    paths = {tuple(full.path(n)): full.path_probability(n) for n in layer}
+    greedy = tuple(full.path(full.greedy_chain_node()))
+    kept = {tuple(cut.path(n)) for n in range(cut.num_nodes) if cut.depths[n] == 2}
+    others = sorted((p for p in paths if p != greedy), key=lambda p: -paths[p])
+    assert kept == {greedy, *others[:3]}
+
+
+def test_one_hot_distributions_make_a_chain():
+    draft = FakeDraft()
+
+    def one_hot(q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot(q.argmax(-1), q.shape[-1]).float()
+
+    tree = build_tree(one_hot(draft.q([])), lambda paths: one_hot(draft.expand(paths)), 16, 5, 3)
+    assert tree.num_nodes == 6 and tree.parents == [-1, 0, 1, 2, 3, 4]
+    assert tree.best_node() == tree.greedy_chain_node() == 5
+    assert tree.expected_accepted_length(5) == 5.0
+
+
+# -- on the demo drafts ----------------------------------------------------------------------
+
+
+def greedy_tokens(runtimes, ctx, gamma, request_id="greedy") -> list[int]:
+    return EnsembleProposer(runtimes).propose([DraftRequest(request_id, ctx, gamma)])[0].token_ids
+
+
+@pytest.mark.parametrize("params", [GREEDY, TOP_K_50], ids=["temperature-0", "temperature-1-top-k-50"])
+def test_tree_on_demo_drafts(drafts, params):
+    runtimes = [drafts["draft-small"], drafts["draft-tiny"]]
+    ensemble = EnsembleProposer(runtimes)
+    proposer = TreeProposer(ensemble, node_budget=16, branching=3)
+    ctx, gamma = context(40, seed=11), 5
+    draft = proposer.propose([DraftRequest("t", ctx, gamma, params)])[0]
+    tree = proposer.last_trees["t"]
+    check_invariants(tree, 16, gamma, 3)
+    best, greedy = tree.best_node(gamma), tree.greedy_chain_node()
+    assert draft.token_ids == tree.path(best)
+    assert tree.expected_accepted_length(best) >= tree.expected_accepted_length(greedy)
+    # The greedy chain is the plain ensemble's greedy draft (argmax of the mixture at every step).
+    assert tree.path(greedy) == greedy_tokens(runtimes, ctx, gamma)
+    # Rows are the processed mixture after the parent's path.
+    root = processed_probs(ensemble.root_distribution("t", ctx).log(), params)
+    torch.testing.assert_close(tree.node_probs[1], root)
+    deep = max(range(tree.num_nodes), key=lambda n: tree.depths[n])
+    parent_path = tree.path(tree.parents[deep])
+    expected = processed_probs(ensemble.branch_distributions("t", ctx, [parent_path])[0].log(), params)
+    torch.testing.assert_close(tree.node_probs[deep], expected, atol=1e-5, rtol=1e-4)
+    if params.greedy:
+        # One-hot q: the tree degenerates to the greedy chain.
+        assert tree.num_nodes == gamma + 1 and best == greedy
+        assert draft.token_ids == greedy_tokens(runtimes, ctx, gamma)
+    else:
+        assert tree.num_nodes == 17  # the budget is spent on branches
+        assert all(int((tree.node_probs[n] > 0).sum()) <= 50 for n in range(1, tree.num_nodes))
+
+
+def test_tree_proposer_drafts(drafts):
+    proposer = TreeProposer(EnsembleProposer([drafts["draft-distill"]]), node_budget=10, branching=2)
+    requests = [
+        DraftRequest("a", context(30, seed=1), 4, TOP_K_50, torch.Generator().manual_seed(0)),
+        DraftRequest("b", context(12, seed=2), 0, TOP_K_50),
+        DraftRequest("c", [], 3, TOP_K_50),
+        DraftRequest("d", context(20, seed=3), 2, SamplingParams(temperature=0.7, top_p=0.9)),
+        DraftRequest("e", context(1022, seed=4), 5, TOP_K_50),  # the draft's max length is 1024
+        DraftRequest("f", context(1024, seed=5), 5, TOP_K_50),
+    ]
+    first = proposer.propose(requests)
+    for request, draft in zip(requests, first):
+        room = max(0, min(request.gamma, 1024 - len(request.context))) if request.context else 0
+        assert 1 <= len(draft.token_ids) <= room or (room == 0 and not draft.token_ids)
+        assert draft.probs.shape == (len(draft.token_ids), VOCAB)
+        # One-hot rows at the drafted tokens: the path is chosen deterministically.
+        one_hot = torch.nn.functional.one_hot(torch.tensor(draft.token_ids, dtype=torch.long), VOCAB).float()
+        assert torch.equal(draft.probs, one_hot)
+    assert proposer.metrics.fallback_requests == 1  # request f
+    assert proposer.stats.trees == 3
+    assert proposer.stats.chosen_expected_length >= proposer.stats.greedy_expected_length > 0
+    # Same input, same draft: again on warm caches, and on a fresh proposer.
+    assert [d.token_ids for d in proposer.propose(requests)] == [d.token_ids for d in first]
+    fresh = TreeProposer(EnsembleProposer([drafts["draft-distill"]]), node_budget=10, branching=2)
+    assert [d.token_ids for d in fresh.propose(requests)] == [d.token_ids for d in first]
+    for request in requests:
+        proposer.free(request.request_id)
+        fresh.free(request.request_id)
+    assert proposer.tracked_request_ids() == set() and fresh.tracked_request_ids() == set()
+
+
+def test_outcomes_are_read_from_the_next_context(drafts):
+    ensemble = EnsembleProposer([drafts["draft-small"], drafts["draft-tiny"], drafts["draft-distill"]])
+    proposer = TreeProposer(ensemble)
+    assert proposer.metrics is ensemble.metrics
+    ctx = context(25, seed=9)
+    draft = proposer.propose([DraftRequest("o", ctx, 4, GREEDY)])[0]
+    assert len(draft.token_ids) == 4
+    # The target accepts two drafts, then emits its own token instead of the third.
+    correction = (draft.token_ids[2] + 1) % VOCAB
+    proposer.propose([DraftRequest("o", ctx + draft.token_ids[:2] + [correction], 4, GREEDY)])
+    m = proposer.metrics
+    assert (m.drafted_tokens, m.accepted_tokens, m.verify_steps) == (4, 2, 1)
+    assert m.accepted_per_position == [1, 1, 0, 0] and m.propose_calls == 2
+    proposer.free("o")
+    assert "o" not in proposer.tracked_request_ids()
+
+
+def test_tree_proposer_rejects_bad_settings(drafts):
+    with pytest.raises(ValueError, match="node_budget"):
+        TreeProposer(EnsembleProposer([drafts["draft-tiny"]]), node_budget=0)
