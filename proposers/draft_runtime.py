@@ -50,6 +50,7 @@ class _RequestCache:
     layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # [heads, len, dim]
     nbytes: int = 0
     shared_chain: list = field(default_factory=list)  # prefix-cache nodes this request holds
+    prompt_length: int = 0  # the first context seen: the part worth sharing with other requests
 
 
 def load_causal_lm(path: str, dtype: str, device: str):
@@ -176,10 +177,14 @@ class DraftRuntime:
             cache.shared_chain = chain
 
     def _share(self, cache: _RequestCache) -> None:
-        """Offer a freshly prefilled cache's whole blocks to other requests."""
+        """Offer the whole blocks of the request's prompt to other requests (once they are cached)."""
         if self.prefix_cache is None:
             return
-        chain = self.prefix_cache.insert(cache.cached_tokens, cache.layers)
+        shareable = min(cache.prompt_length, len(cache.cached_tokens))
+        block = self.prefix_cache.block_size
+        if shareable // block <= len(cache.shared_chain):
+            return
+        chain = self.prefix_cache.insert(cache.cached_tokens[:shareable], cache.layers)
         self.prefix_cache.acquire(chain)
         self.prefix_cache.release(cache.shared_chain)
         cache.shared_chain = chain
@@ -280,6 +285,8 @@ class DraftBatch:
             if not cache.cached_tokens:
                 runtime._unshare(cache)
                 runtime._start_from_shared_prefix(cache, context)
+            if not cache.prompt_length:
+                cache.prompt_length = len(context)
             pending = context[len(cache.cached_tokens):]
             if len(pending) > SOLO_PREFILL_THRESHOLD:
                 runtime._prefill_alone(cache, pending[:-1])
@@ -361,6 +368,7 @@ class DraftBatch:
             cache.layers = [(k[row].index_select(1, keep), v[row].index_select(1, keep)) for k, v in self._layers]
             cache.cached_tokens.extend(self._added[row])
             cache.nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in cache.layers)
+            self.runtime._share(cache)
         self._layers = []
         self.runtime._enforce_budget()
 

@@ -123,7 +123,12 @@ class EnsembleProposer(Proposer):
             self._draft(active, drafts)
         self.metrics.propose_calls += 1
         self.metrics.draft_time_s += time.perf_counter() - started
+        self.sync_cost_counters()
         return drafts
+
+    def sync_cost_counters(self) -> None:
+        self.metrics.tokens_forwarded = sum(rt.tokens_forwarded for rt in self.runtimes)
+        self.metrics.prefix_hit_tokens = sum(rt.prefix_cache.hit_tokens for rt in self.runtimes if rt.prefix_cache)
 
     def _draft(self, active: list[tuple[int, DraftRequest, int]], drafts: list[Draft]) -> None:
         ids = [request.request_id for _, request, _ in active]

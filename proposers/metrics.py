@@ -32,6 +32,13 @@ class DraftMetrics:
     tracked_requests: int = 0  # requests whose draft state is held right now
     backoff_steps: int = 0  # steps in which adaptive γ drafted nothing because the batch was large
     gamma_chosen: dict[int, int] = field(default_factory=dict)  # adaptive γ: requests x steps per γ
+    tokens_forwarded: int = 0  # real tokens run through the draft models (all drafts together)
+    prefix_hit_tokens: int = 0  # tokens whose draft KV came from the shared prefix tree
+    # Tree drafting: trees built, and the expected accepted length (under the draft) of the path
+    # chosen and of the greedy chain in the same tree, summed over trees.
+    trees: int = 0
+    tree_expected_best: float = 0.0
+    tree_expected_greedy: float = 0.0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     # Per draft: at verified positions, how often its own top token was the target's token.
@@ -82,6 +89,11 @@ class DraftMetrics:
             "tracked_requests": self.tracked_requests,
             "backoff_steps": self.backoff_steps,
             "gamma_chosen": {str(k): v for k, v in sorted(self.gamma_chosen.items())},
+            "tokens_forwarded": self.tokens_forwarded,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "trees": self.trees,
+            "tree_expected_best": self.tree_expected_best,
+            "tree_expected_greedy": self.tree_expected_greedy,
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "agreement": dict(self.agreement),

@@ -259,6 +259,7 @@ class TreeProposer(Proposer):
             drafts.append(self._draft_one(request))
         self.metrics.propose_calls += 1
         self.metrics.draft_time_s += time.perf_counter() - started
+        self.ensemble.sync_cost_counters()
         return drafts
 
     def _draft_one(self, request: DraftRequest) -> Draft:
@@ -284,6 +285,9 @@ class TreeProposer(Proposer):
         self.stats.chosen_expected_length += tree.expected_accepted_length(node)
         self.stats.greedy_expected_length += tree.expected_accepted_length(tree.greedy_chain_node())
         self.stats.drafted_tokens += len(tokens)
+        self.metrics.trees += 1
+        self.metrics.tree_expected_best += tree.expected_accepted_length(node)
+        self.metrics.tree_expected_greedy += tree.expected_accepted_length(tree.greedy_chain_node())
         if not tokens:
             return self.empty_draft()
         self._pending[rid] = _Pending(len(context), tokens)

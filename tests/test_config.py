@@ -86,6 +86,9 @@ MALFORMED = [
     ("adaptive gamma ema string", {"specplugin": {"adaptive_gamma": {"ema_weight": "0.3"}}}, "adaptive_gamma.ema_weight"),
     ("prefix sharing not a bool", {"specplugin": {"prefix_sharing": "on"}}, "prefix_sharing"),
     ("prefix block size zero", {"specplugin": {"prefix_block_size": 0}}, "prefix_block_size"),
+    ("tree not an object", {"specplugin": {"tree_drafting": "big"}}, "tree_drafting"),
+    ("tree unknown key", {"specplugin": {"tree_drafting": {"depth": 3}}}, "tree_drafting.depth"),
+    ("tree zero budget", {"specplugin": {"tree_drafting": {"node_budget": 0}}}, "tree_drafting.node_budget"),
     ("invalid JSON string", "{specplugin: ", "additional_config"),
 ]
 

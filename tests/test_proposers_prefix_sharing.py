@@ -48,6 +48,18 @@ def test_shared_system_prompt_is_forwarded_once():
     assert plain_drafts == shared_drafts
 
 
+def test_short_prompts_are_shared_too():
+    """Prompts under the solo-prefill threshold are offered once their batch closes."""
+    rt = DraftRuntime(DRAFT, target_vocab_size=4096, prefix_sharing=True, prefix_block_size=4)
+    proposer = EnsembleProposer([rt])
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    proposer.propose([DraftRequest("first", prompt, 2)])
+    before = rt.tokens_forwarded
+    proposer.propose([DraftRequest("second", prompt, 2)])
+    assert rt.tokens_forwarded - before == 1 + 1  # the last prompt token (8 from the tree), one draft step
+    assert rt.prefix_cache.hit_tokens == 8
+
+
 def test_shared_kv_equals_own_prefill():
     rt = DraftRuntime(DRAFT, target_vocab_size=4096, prefix_sharing=True)
     a = rt.open_batch(["a"], [SYSTEM_PROMPT + [7, 8, 9]])

@@ -72,6 +72,7 @@ class WorkloadResult:
     draft_time_s: float | None = None  # plugin proposers only
     step_time_s: float | None = None
     propose_calls: float | None = None
+    plugin: dict = field(default_factory=dict)  # every specplugin counter's change over the workload
 
     @property
     def tokens_per_s(self) -> float:
@@ -119,14 +120,20 @@ class WorkloadResult:
 
 
 def run_workload(
-    server: VllmServer, config: ServedConfig, prompts: list[str], *, batch: int, temperature: float, max_tokens: int
+    server: VllmServer,
+    config: ServedConfig,
+    prompts: list[str] | list[list[int]],
+    *,
+    batch: int,
+    temperature: float,
+    max_tokens: int,
 ) -> WorkloadResult:
     """Send every prompt, ``batch`` at a time (a pool of that many concurrent clients)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=900)
 
-    def complete(prompt: str) -> int:
+    def complete(prompt: str | list[int]) -> int:
         completion = client.completions.create(
             model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
             extra_body={"ignore_eos": True},
@@ -160,6 +167,10 @@ def run_workload(
         result.draft_time_s = delta("specplugin:draft_time_seconds_total", plugin_after, plugin_before)
         result.step_time_s = delta("specplugin:step_time_seconds_total", plugin_after, plugin_before)
         result.propose_calls = delta("specplugin:propose_calls_total", plugin_after, plugin_before)
+        result.plugin = {
+            key: plugin_after[key] - plugin_before.get(key, 0) for key in plugin_after
+            if key.endswith("_total") or "_total{" in key
+        }
     return result
 
 
@@ -204,5 +215,38 @@ def record_benchmark(benchmark, results: list[WorkloadResult], result: WorkloadR
     )
     info = result.as_dict()
     info["speedup_vs_plain"] = result.tokens_per_s / plain if plain else None
-    benchmark.extra_info.update({k: v for k, v in info.items() if not isinstance(v, list)})
+    benchmark.extra_info.update({k: v for k, v in info.items() if not isinstance(v, (list, dict))})
     benchmark.extra_info["accepted_per_position"] = result.accepted_per_position
+
+
+def served_fixture(configs: list[ServedConfig]):
+    """A module-scoped pytest fixture that serves the demo target once per configuration, in order
+    (plain first, so that every speedup has its baseline from the same run)."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=configs, ids=[c.name for c in configs])
+    def served(request):
+        config = request.param
+        server = config.server(os.path.join(DEMO, "target"))
+        with server:
+            run_workload(server, config, ["def main():\n"] * 2, batch=2, temperature=1.0, max_tokens=8)  # warm-up
+            yield config, server
+
+    return served
+
+
+def benchmark_workload(benchmark, results, served, prompts, *, batch: int, temperature: float, max_tokens: int):
+    """Time one workload with pytest-benchmark (one round) and record it with its cost model."""
+    config, server = served
+    outcome = {}
+
+    def workload():
+        outcome["result"] = run_workload(
+            server, config, prompts, batch=batch, temperature=temperature, max_tokens=max_tokens
+        )
+
+    benchmark.pedantic(workload, rounds=1, iterations=1)
+    result = outcome["result"]
+    record_benchmark(benchmark, results, result)
+    assert result.output_tokens == len(prompts) * max_tokens  # nobody lost tokens
+    return result

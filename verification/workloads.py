@@ -38,3 +38,33 @@ def make_heldout_prompts(seed: int = 0, limit: int = 48) -> list[dict]:
             if 150 <= len(text) <= 700:
                 prompts.append({"source": source.relpath, "line": i + 1, "prompt": text})
     return prompts[:limit]
+
+
+def repetitive_code_prompts(count: int) -> list[str]:
+    """Predictable text: a few lines of held-out code repeated, so the continuation repeats too."""
+    prompts = []
+    for text in heldout_prompts(count):
+        lines = [line for line in text.splitlines(keepends=True) if line.strip()][:3]
+        prompts.append("".join(lines) * 5)
+    return prompts
+
+
+def unpredictable_prompts(count: int, length: int = 48, vocab_size: int = 4096, seed: int = 0) -> list[list[int]]:
+    """Unpredictable input: random token ids (drafts and target rarely agree on what follows)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab_size, length).tolist() for _ in range(count)]
+
+
+def shared_system_prompt_requests(count: int, system_tokens: int = 240) -> list[str]:
+    """``count`` requests that start with one system prompt of about ``system_tokens`` demo tokens
+    (held-out code, ~3.6 characters per token) and end with their own held-out prompt."""
+    pool = heldout_prompts()
+    system = ""
+    index = 0
+    while len(system) < system_tokens * 3.6:
+        system += pool[index % len(pool)]
+        index += 1
+    system = system[: int(system_tokens * 3.6)]
+    return [system + pool[(index + i) % len(pool)] for i in range(count)]

@@ -74,6 +74,7 @@ class MultiDraftProposer(_CustomClassAdapter):
         from proposers.draft_runtime import DraftRuntime
         from proposers.ensemble import EnsembleProposer
         from proposers.gamma import AdaptiveGamma
+        from proposers.tree import TreeProposer
         from vllm_specplugin.config import SpecPluginConfigError
         from vllm_specplugin.metrics import MetricsPublisher
 
@@ -103,7 +104,11 @@ class MultiDraftProposer(_CustomClassAdapter):
             runtimes, self.config.draft_weights, adapt_weights=self.config.adapt_draft_weights
         )
         self.gamma_policy = self.config.gamma_policy()
-        self.proposer = self.ensemble if self.gamma_policy is None else AdaptiveGamma(self.ensemble, self.gamma_policy)
+        self.proposer = self.ensemble
+        if self.config.tree_drafting is not None:
+            self.proposer = TreeProposer(self.ensemble, **self.config.tree_drafting)
+        if self.gamma_policy is not None:
+            self.proposer = AdaptiveGamma(self.proposer, self.gamma_policy)
         self.device = device
         self._batch_view = None
         self._last_probs = None
@@ -112,10 +117,13 @@ class MultiDraftProposer(_CustomClassAdapter):
         label = "ensemble" if len(runtimes) > 1 else "draft"
         self.publisher = MetricsPublisher(self.ensemble.metrics, f"{label}[{', '.join(self.ensemble.names)}]")
         logger.info(
-            "specplugin %s proposer: drafts %s, weights %s, k=%d, %s, dtype %s, memory budget %d MiB",
+            "specplugin %s proposer: drafts %s, weights %s, k=%d, %s, %s, prefix sharing %s, dtype %s, "
+            "memory budget %d MiB",
             label, list(self.config.drafts), [round(w, 3) for w in self.ensemble.weights.tolist()],
             self.num_speculative_tokens,
             "fixed gamma" if self.gamma_policy is None else f"adaptive gamma {self.gamma_policy}",
+            "chain drafting" if self.config.tree_drafting is None else f"tree drafting {self.config.tree_drafting}",
+            "on" if self.config.prefix_sharing else "off",
             self.config.draft_dtype, self.config.draft_memory_budget_mb,
         )
 

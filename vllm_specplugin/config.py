@@ -53,6 +53,9 @@ class SpecPluginConfig:
     # with any of mode ("threshold" | "cost_model"), gamma_min, raise_above, lower_below,
     # ema_weight, max_batch (no drafting above this batch size), cost_ratio (c; null: measured).
     adaptive_gamma: dict | None = None
+    # Tree drafting (proposers/tree.py): null, or an object with node_budget (16) and branching
+    # (3). The path with the highest expected accepted length is verified as a chain.
+    tree_drafting: dict | None = None
     # Share draft KV across requests with a common token prefix (a radix tree of token blocks).
     prefix_sharing: bool = False
     prefix_block_size: int = 16
@@ -103,6 +106,8 @@ class SpecPluginConfig:
             values["draft_memory_budget_mb"] = _positive_int(raw, "draft_memory_budget_mb")
         if raw.get("adaptive_gamma") is not None:
             values["adaptive_gamma"] = _gamma_policy(raw["adaptive_gamma"])
+        if raw.get("tree_drafting") is not None:
+            values["tree_drafting"] = _tree(raw["tree_drafting"])
         if "prefix_block_size" in raw:
             values["prefix_block_size"] = _positive_int(raw, "prefix_block_size")
         for field in ("adapt_draft_weights", "runner_shim", "prefix_sharing"):
@@ -162,6 +167,19 @@ def _gamma_policy(value: Any) -> dict:
     return out
 
 
+def _tree(value: Any) -> dict:
+    if value is True:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise SpecPluginConfigError("tree_drafting", f"expected an object (or true, or null), got {value!r}")
+    out = {}
+    for key, item in value.items():
+        if key not in ("node_budget", "branching"):
+            raise SpecPluginConfigError(f"tree_drafting.{key}", "unknown key; known keys are node_budget, branching")
+        out[key] = _positive_int(value, key, f"tree_drafting.{key}")
+    return out
+
+
 def _bool(raw: Mapping, field: str) -> bool:
     value = raw[field]
     if not isinstance(value, bool):
@@ -169,8 +187,9 @@ def _bool(raw: Mapping, field: str) -> bool:
     return value
 
 
-def _positive_int(raw: Mapping, field: str) -> int:
+def _positive_int(raw: Mapping, field: str, name: str | None = None) -> int:
     value = raw[field]
+    field = name or field
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecPluginConfigError(field, f"expected an integer, got {type(value).__name__} {value!r}")
     if value <= 0:

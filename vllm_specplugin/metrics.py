@@ -115,6 +115,11 @@ class SnapshotCollector:
             ("propose_calls", "Calls of the proposer."),
             ("fallback_requests", "Times a request got no draft because of the draft model's length limit."),
             ("backoff_steps", "Steps in which adaptive gamma drafted nothing because the batch was large."),
+            ("tokens_forwarded", "Tokens run through the draft models (all drafts together)."),
+            ("prefix_hit_tokens", "Tokens whose draft KV came from the shared prefix tree."),
+            ("trees", "Token trees built (tree drafting)."),
+            ("tree_expected_best", "Sum over trees of the expected accepted length of the chosen path."),
+            ("tree_expected_greedy", "Sum over trees of the expected accepted length of the greedy chain."),
         ]:
             family = CounterMetricFamily(f"specplugin:{key}", doc)
             family.add_metric([], total(key))

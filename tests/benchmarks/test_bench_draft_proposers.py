@@ -8,17 +8,14 @@ is what pytest-benchmark times (one round: a round is tens of seconds of real se
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from verification.bench import (
-    DEMO,
     ServedConfig,
+    benchmark_workload,
     builtin_draft_model_config,
     plugin_config,
-    record_benchmark,
-    run_workload,
+    served_fixture,
 )
 from verification.workloads import heldout_prompts
 
@@ -32,36 +29,25 @@ CONFIGS = [
     plugin_config("plugin draft-small", ["draft-small"], GAMMA),
     plugin_config("plugin draft-tiny", ["draft-tiny"], GAMMA),
     plugin_config("plugin ensemble(distill+small+tiny)", ["draft-distill", "draft-small", "draft-tiny"], GAMMA),
+    plugin_config(
+        "plugin ensemble(distill+small+tiny) adaptive weights", ["draft-distill", "draft-small", "draft-tiny"], GAMMA,
+        adapt_draft_weights=True,
+    ),
     builtin_draft_model_config("draft-distill", GAMMA),
 ]
 WORKLOADS = [(1, 0.0), (1, 1.0), (16, 0.0), (16, 1.0)]
 PROMPTS = {1: 4, 16: 16}  # prompts per workload: batch 1 sends 4 one after another
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=[c.name for c in CONFIGS])
-def served(request):
-    config = request.param
-    server = config.server(os.path.join(DEMO, "target"))
-    with server:
-        run_workload(server, config, heldout_prompts(2), batch=2, temperature=1.0, max_tokens=8)  # warm-up
-        yield config, server
+served = served_fixture(CONFIGS)
 
 
 @pytest.mark.parametrize("batch,temperature", WORKLOADS, ids=[f"batch{b}-T{t:g}" for b, t in WORKLOADS])
 def test_draft_proposers(benchmark, bench_results, served, batch, temperature):
-    config, server = served
     results = bench_results.setdefault("draft_proposers", [])
-    prompts = heldout_prompts(PROMPTS[batch])
-    outcome = {}
-
-    def workload():
-        outcome["result"] = run_workload(
-            server, config, prompts, batch=batch, temperature=temperature, max_tokens=MAX_TOKENS
-        )
-
-    benchmark.pedantic(workload, rounds=1, iterations=1)
-    result = outcome["result"]
-    record_benchmark(benchmark, results, result)
-    assert result.output_tokens == len(prompts) * MAX_TOKENS
-    if config.gamma:
+    result = benchmark_workload(
+        benchmark, results, served, heldout_prompts(PROMPTS[batch]),
+        batch=batch, temperature=temperature, max_tokens=MAX_TOKENS,
+    )
+    if served[0].gamma:
         assert result.drafts > 0
