@@ -16,14 +16,19 @@ pytestmark = pytest.mark.server
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
 ENSEMBLES = {
-    "2 drafts": ["draft-distill", "draft-small"],
-    "3 drafts": ["draft-distill", "draft-small", "draft-tiny"],
+    "2 drafts": (["draft-distill", "draft-small"], {}),
+    "3 drafts": (["draft-distill", "draft-small", "draft-tiny"], {}),
+    "2 drafts, all strategies": (
+        ["draft-distill", "draft-small"],
+        {"adaptive_gamma": {"mode": "threshold"}, "tree_drafting": {"node_budget": 8, "branching": 2},
+         "prefix_sharing": True, "adapt_draft_weights": True},
+    ),
 }
 CONCURRENT_REQUESTS = 24
 
 
-@pytest.mark.parametrize("drafts", list(ENSEMBLES.values()), ids=list(ENSEMBLES))
-def test_ensemble_serves_concurrent_requests_in_full(drafts):
+@pytest.mark.parametrize("drafts,options", list(ENSEMBLES.values()), ids=list(ENSEMBLES))
+def test_ensemble_serves_concurrent_requests_in_full(drafts, options):
     from openai import OpenAI
 
     target = os.path.join(DEMO, "target")
@@ -34,12 +39,13 @@ def test_ensemble_serves_concurrent_requests_in_full(drafts):
             "model": "vllm_specplugin.adapters.MultiDraftProposer",
             "num_speculative_tokens": 3,
         },
-        additional_config={"specplugin": {"drafts": [os.path.join(DEMO, d) for d in drafts]}},
+        additional_config={"specplugin": {"drafts": [os.path.join(DEMO, d) for d in drafts], **options}},
     )
     rng = np.random.default_rng(0)
     jobs = []
+    shared_prefix = rng.integers(3, 4096, size=40).tolist()  # half the requests start with it
     for i in range(CONCURRENT_REQUESTS):
-        prompt = rng.integers(3, 4096, size=int(rng.integers(5, 60))).tolist()
+        prompt = (shared_prefix if i % 2 else []) + rng.integers(3, 4096, size=int(rng.integers(5, 60))).tolist()
         temperature = [0.0, 0.7, 1.0][i % 3]
         jobs.append((prompt, temperature, int(rng.integers(24, 72))))
     with server:
@@ -74,8 +80,15 @@ def test_ensemble_serves_concurrent_requests_in_full(drafts):
     assert 0 < own_accepted <= accepted and 0 < own_drafted <= drafted
     assert own_drafted >= 0.8 * drafted
     for name in drafts:
-        assert plugin[f'specplugin:draft_verified_positions_total{{draft="{name}"}}'] > 0
+        if "tree_drafting" not in options:  # trees score paths, not each draft
+            assert plugin[f'specplugin:draft_verified_positions_total{{draft="{name}"}}'] > 0
         assert 0 < plugin[f'specplugin:draft_weight{{draft="{name}"}}'] < 1
+    if "tree_drafting" in options:
+        assert metric_total(plugin, "specplugin:trees_total") > 0
+    if "prefix_sharing" in options:
+        assert metric_total(plugin, "specplugin:prefix_hit_tokens_total") >= 32  # two blocks, at least once
+    if "adaptive_gamma" in options:
+        assert metric_total(plugin, "specplugin:gamma_chosen_total") > 0
     assert metric_total(plugin, "specplugin:draft_weight") == pytest.approx(1.0)
     positions = [plugin.get(f'specplugin:accepted_per_position_total{{position="{j}"}}', 0) for j in range(3)]
     assert positions[0] >= positions[1] >= positions[2]
