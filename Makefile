@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup test test-fast demo models bench clean
+.PHONY: setup test test-fast demo demo-repair models bench bench-compare bench-history clean
 
 setup:
 	@bash ci/setup_venv.sh
@@ -16,10 +16,21 @@ test-fast: setup
 demo: setup
 	@source ci/env.sh && $(PY) -m verification.demo
 
+demo-repair: setup
+	@source ci/env.sh && $(PY) -m verification.repair_demo
+
 # Throughput benchmarks (pytest-benchmark; several minutes per server configuration).
 bench: setup
 	@source ci/env.sh && $(PY) -m pytest tests/benchmarks -q -s -p no:cacheprovider \
 		--benchmark-autosave --benchmark-storage=file://runs/benchmarks --benchmark-columns=min,rounds $(BENCH_ARGS)
+
+# Speedups of the last saved run against the one before (fails on a drop beyond 15%).
+bench-compare: setup
+	@$(PY) -m verification.bench_history compare
+
+# Every saved run's speedups as a table, and runs/benchmarks/history.png.
+bench-history: setup
+	@$(PY) -m verification.bench_history show
 
 models: setup
 	@$(PY) -m models.build

@@ -219,12 +219,16 @@ def record_benchmark(benchmark, results: list[WorkloadResult], result: WorkloadR
     benchmark.extra_info["accepted_per_position"] = result.accepted_per_position
 
 
-def served_fixture(configs: list[ServedConfig]):
+def served_fixture(configs: list):
     """A module-scoped pytest fixture that serves the demo target once per configuration, in order
-    (plain first, so that every speedup has its baseline from the same run)."""
+    (plain first, so that every speedup has its baseline from the same run). Entries may be
+    ``pytest.param(config, marks=...)``."""
     import pytest
 
-    @pytest.fixture(scope="module", params=configs, ids=[c.name for c in configs])
+    def name(config) -> str:
+        return (config.values[0] if hasattr(config, "values") else config).name
+
+    @pytest.fixture(scope="module", params=configs, ids=[name(c) for c in configs])
     def served(request):
         config = request.param
         server = config.server(os.path.join(DEMO, "target"))

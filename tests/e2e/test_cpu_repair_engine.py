@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from verification.demo import repeat_rate
+from verification.repair_demo import repeat_rate
 from verification.drivers import GenerationTask, SamplingConfig, run_offline
 
 pytestmark = pytest.mark.engine
