@@ -20,7 +20,7 @@ from proposers.base import DraftRequest, Proposer
 from proposers.draft_runtime import Draft
 from proposers.ensemble import EnsembleProposer
 from proposers.metrics import accepted_count
-from proposers.sampling import processed_probs, processed_probs_rows
+from proposers.sampling import SamplingParams, processed_probs, processed_probs_rows
 
 ROOT = 0
 
@@ -264,6 +264,10 @@ class TreeProposer(Proposer):
 
     def _draft_one(self, request: DraftRequest) -> Draft:
         rid, context, params = request.request_id, list(request.context), request.params
+        if params.greedy:
+            # Greedy verification accepts x iff x is the target's argmax; the draft's unprocessed
+            # probability of x estimates that chance (its one-hot argmax would say nothing).
+            params = SamplingParams(temperature=1.0)
         depth = min(rt.room(rid, len(context), request.gamma) for rt in self.ensemble.runtimes)
         if depth == 0 and request.gamma > 0:
             self.metrics.fallback_requests += 1
