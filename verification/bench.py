@@ -239,18 +239,26 @@ def served_fixture(configs: list):
     return served
 
 
-def benchmark_workload(benchmark, results, served, prompts, *, batch: int, temperature: float, max_tokens: int):
-    """Time one workload with pytest-benchmark (one round) and record it with its cost model."""
+def benchmark_workload(
+    benchmark, results, served, prompts, *, batch: int, temperature: float, max_tokens: int, rounds: int | None = None
+):
+    """Time a workload with pytest-benchmark and record its fastest round with its cost model.
+
+    Several rounds (``BENCH_ROUNDS``, default 3) because a 2-core machine shared with other jobs
+    is noisy; the fastest round is the least disturbed one (pytest-benchmark's ``min``).
+    """
     config, server = served
-    outcome = {}
+    rounds = rounds or int(os.environ.get("BENCH_ROUNDS", "3"))
+    outcomes: list[WorkloadResult] = []
 
     def workload():
-        outcome["result"] = run_workload(
-            server, config, prompts, batch=batch, temperature=temperature, max_tokens=max_tokens
+        outcomes.append(
+            run_workload(server, config, prompts, batch=batch, temperature=temperature, max_tokens=max_tokens)
         )
 
-    benchmark.pedantic(workload, rounds=1, iterations=1)
-    result = outcome["result"]
+    benchmark.pedantic(workload, rounds=rounds, iterations=1)
+    result = max(outcomes, key=lambda r: r.tokens_per_s)
     record_benchmark(benchmark, results, result)
-    assert result.output_tokens == len(prompts) * max_tokens  # nobody lost tokens
+    benchmark.extra_info["rounds_tokens_per_s"] = [round(r.tokens_per_s, 1) for r in outcomes]
+    assert all(r.output_tokens == len(prompts) * max_tokens for r in outcomes)  # nobody lost tokens
     return result

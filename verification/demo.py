@@ -29,6 +29,7 @@ BEST = plugin_config(
     adaptive_gamma={"mode": "threshold", "max_batch": 16},
 )
 PLAIN = ServedConfig("plain decoding")
+ROUNDS = 2  # per workload; the faster round counts (a shared 2-core machine is noisy)
 
 
 def serve_and_measure(config: ServedConfig, workloads, max_tokens: int, progress) -> list[WorkloadResult]:
@@ -40,9 +41,11 @@ def serve_and_measure(config: ServedConfig, workloads, max_tokens: int, progress
         for concurrency, temperature in workloads:
             progress.set_description(f"{config.name}: concurrency {concurrency}, T={temperature:g}")
             prompts = heldout_prompts(max(2, 2 * concurrency))
-            results.append(
+            rounds = [
                 run_workload(server, config, prompts, batch=concurrency, temperature=temperature, max_tokens=max_tokens)
-            )
+                for _ in range(ROUNDS)
+            ]
+            results.append(max(rounds, key=lambda r: r.tokens_per_s))  # the least disturbed round
             progress.update(1)
     return results
 
