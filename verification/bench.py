@@ -2,8 +2,9 @@
 
 Every figure comes with its cost model: α (accepted / drafted draft tokens, vLLM's counters), γ
 (draft tokens per step), c (draft time per draft token over target time per step, measured by
-the plugin's proposer; unknown for vLLM's built-ins) and the Leviathan et al. speedup bound
-E[tokens/step] / (1 + cγ) for those α, γ and c.
+the plugin's proposer; unknown for vLLM's built-ins), the Leviathan et al. speedup bound
+E[tokens/step] / (1 + cγ) for those α, γ and c, and r, the measured target cost of a
+verification step over a plain step (the bound assumes r = 1).
 """
 
 from __future__ import annotations
@@ -102,6 +103,15 @@ class WorkloadResult:
         target_per_step = (self.step_time_s - self.draft_time_s) / steps
         return (self.draft_time_s / steps / self.gamma) / target_per_step if target_per_step > 0 else None
 
+    def verify_cost_ratio(self, plain_tokens_per_s: float | None) -> float | None:
+        """r: this configuration's target time per step (drafting excluded) over a plain decoding
+        step at the same batch. The Leviathan model assumes r = 1 (verifying γ + 1 tokens costs
+        one step); on a compute-bound CPU it does not."""
+        if not plain_tokens_per_s or self.draft_time_fraction is None or not self.drafts:
+            return None
+        step = self.batch * self.mean_accepted_length / self.tokens_per_s
+        return step * (1 - self.draft_time_fraction) / (self.batch / plain_tokens_per_s)
+
     def leviathan_bound(self) -> float | None:
         from stats.speedup import expected_speedup
 
@@ -184,9 +194,9 @@ def format_table(results: list[WorkloadResult], baseline: dict[tuple[int, float]
     """Markdown table; ``baseline`` maps (batch, temperature) to plain decoding's tokens/s."""
     header = (
         "| config | batch | T | tokens/s | speedup vs plain | mean accepted length | α | per-position acceptance "
-        "| draft time / step | c | Leviathan bound |"
+        "| draft time / step | c | Leviathan bound | verify cost r |"
     )
-    lines = [header, "|" + "---|" * 11]
+    lines = [header, "|" + "---|" * 12]
     for r in results:
         plain = baseline.get((r.batch, r.temperature))
         speedup = f"{r.tokens_per_s / plain:.2f}x" if plain else "-"
@@ -196,7 +206,7 @@ def format_table(results: list[WorkloadResult], baseline: dict[tuple[int, float]
         lines.append(
             f"| {r.config} | {r.batch} | {r.temperature:g} | {r.tokens_per_s:.1f} | {speedup} "
             f"| {r.mean_accepted_length:.2f} | {_fmt(r.alpha)} | {per_position} | {_fmt(r.draft_time_fraction, '.0%')} "
-            f"| {_fmt(r.cost_ratio)} | {_fmt(r.leviathan_bound(), '.2f', 'x')} |"
+            f"| {_fmt(r.cost_ratio)} | {_fmt(r.leviathan_bound(), '.2f', 'x')} | {_fmt(r.verify_cost_ratio(plain), '.2f')} |"
         )
     return "\n".join(lines)
 
@@ -215,6 +225,7 @@ def record_benchmark(benchmark, results: list[WorkloadResult], result: WorkloadR
     )
     info = result.as_dict()
     info["speedup_vs_plain"] = result.tokens_per_s / plain if plain else None
+    info["verify_cost_ratio"] = result.verify_cost_ratio(plain)
     benchmark.extra_info.update({k: v for k, v in info.items() if not isinstance(v, (list, dict))})
     benchmark.extra_info["accepted_per_position"] = result.accepted_per_position
 
