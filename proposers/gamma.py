@@ -6,9 +6,12 @@ with an exponential moving average and picks γ for the next step:
 - ``threshold`` mode (the default rule): γ + 1 when α > ``raise_above``, γ − 1 when
   α < ``lower_below``, within [``gamma_min``, γ_max];
 - ``cost_model`` mode: the γ in [0, γ_max] that maximises the expected speedup
-  (1 − α^(γ+1)) / ((1 − α)(1 + cγ)), with c the measured (or configured) cost of one draft token
-  relative to one target step. A request at γ = 0 is probed with γ = 1 every
-  ``PROBE_EVERY`` steps so that its α stays current.
+  (1 − α^(γ+1)) / ((1 − α)(1 + cγ)). c is configured, or measured while serving by
+  :class:`StepCostModel`: the cost of one more draft token for this request (drafting it, plus
+  verifying it: the target step grows with the tokens it verifies, which the classic model
+  ignores and which dominates on a compute-bound CPU) over the request's share of a step without
+  drafts. A request at γ = 0 is probed with γ = 1 every ``PROBE_EVERY`` steps so that its α
+  stays current.
 
 Batch-aware back-off: in a step with more than ``max_batch`` requests nobody drafts (γ = 0),
 because large batches make the target step compute-bound and speculation stops paying.
@@ -55,6 +58,48 @@ class GammaPolicy:
             raise ValueError(f"ema_weight must be in (0, 1], got {self.ema_weight}")
 
 
+class StepCostModel:
+    """Measured step costs: target time = a + b·D for D draft tokens verified in a step (least
+    squares over recent steps, exponentially forgotten), and draft time d per draft token."""
+
+    MIN_STEPS = 8
+
+    def __init__(self, forgetting: float = 0.05):
+        self.forgetting = forgetting
+        self.steps = 0
+        self._moments = None  # E[x], E[y], E[xx], E[xy]
+        self.slope = 0.0  # b: seconds per verified draft token
+        self.draft_per_token: float | None = None  # d
+
+    def observe_target(self, draft_tokens: int, seconds: float) -> None:
+        x, y = float(draft_tokens), seconds
+        new = (x, y, x * x, x * y)
+        if self._moments is None:
+            self._moments = new
+        else:
+            w = self.forgetting
+            self._moments = tuple((1 - w) * old + w * value for old, value in zip(self._moments, new))
+        self.steps += 1
+        mean_x, mean_y, mean_xx, mean_xy = self._moments
+        variance = mean_xx - mean_x**2
+        if variance > 1e-6:  # keep the last slope while the draft length does not vary
+            self.slope = max(0.0, (mean_xy - mean_x * mean_y) / variance)
+
+    def observe_draft(self, draft_tokens: int, seconds: float) -> None:
+        if draft_tokens:
+            per_token = seconds / draft_tokens
+            d = self.draft_per_token
+            self.draft_per_token = per_token if d is None else (1 - self.forgetting) * d + self.forgetting * per_token
+
+    def cost_ratio(self, batch_size: int) -> float | None:
+        """c for one request: (b + d) over its share of a step without drafts, a / batch."""
+        if self.steps < self.MIN_STEPS or self.draft_per_token is None:
+            return None
+        mean_x, mean_y = self._moments[0], self._moments[1]
+        base = max(mean_y - self.slope * mean_x, 1e-6)
+        return (self.slope + self.draft_per_token) / (base / max(batch_size, 1))
+
+
 @dataclass
 class _RequestState:
     gamma: int
@@ -73,8 +118,10 @@ class AdaptiveGamma(Proposer):
         self.metrics = getattr(inner, "metrics", None)
         self._states: dict[str, _RequestState] = {}
         self._cost_ratio = policy.cost_ratio
+        self.step_costs = StepCostModel()
         self._last_call_end: float | None = None
         self._last_ids: set[str] = set()
+        self._last_drafted = 0
 
     def free(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -93,9 +140,11 @@ class AdaptiveGamma(Proposer):
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         started = time.perf_counter()
         ids = {r.request_id for r in requests}
-        target_time = None
         if self._last_call_end is not None and ids & self._last_ids:
-            target_time = started - self._last_call_end  # the engine's own work since our last call
+            # The engine's work since our last call: one target step verifying what we drafted.
+            self.step_costs.observe_target(self._last_drafted, started - self._last_call_end)
+        if self.policy.cost_ratio is None:
+            self._cost_ratio = self.step_costs.cost_ratio(len(requests))
         for request in requests:
             self._observe(request)
         back_off = self.policy.max_batch is not None and len(requests) > self.policy.max_batch
@@ -109,17 +158,14 @@ class AdaptiveGamma(Proposer):
                 self.metrics.gamma_chosen[request.gamma] = self.metrics.gamma_chosen.get(request.gamma, 0) + 1
         draft_started = time.perf_counter()
         drafts = self.inner.propose(chosen)
-        draft_time = time.perf_counter() - draft_started
         drafted = sum(len(d.token_ids) for d in drafts)
+        self.step_costs.observe_draft(drafted, time.perf_counter() - draft_started)
         for request, draft in zip(requests, drafts):
             state = self._states[request.request_id]
             state.pending = (len(request.context), list(draft.token_ids)) if draft.token_ids else None
-        if self.policy.cost_ratio is None and target_time and drafted:
-            steps = max(d_len for d_len in (len(d.token_ids) for d in drafts))
-            measured = (draft_time / steps) / target_time  # one draft step (whole batch) / one target step
-            self._cost_ratio = measured if self._cost_ratio is None else 0.9 * self._cost_ratio + 0.1 * measured
         self._last_call_end = time.perf_counter()
         self._last_ids = ids
+        self._last_drafted = drafted
         return drafts
 
     def _observe(self, request: DraftRequest) -> None:
@@ -150,7 +196,7 @@ class AdaptiveGamma(Proposer):
                 state.gamma -= 1
             state.gamma = max(min(policy.gamma_min, gamma_max), min(state.gamma, gamma_max))
             return state.gamma
-        cost = self._cost_ratio if self._cost_ratio is not None else 0.1
+        cost = self._cost_ratio if self._cost_ratio is not None else 0.1  # until steps are measured
         best = optimal_gamma(min(state.alpha, 0.999), cost, gamma_max) if gamma_max >= 1 else 0
         state.gamma = max(min(policy.gamma_min, gamma_max), best)
         if state.gamma == 0:

@@ -82,3 +82,23 @@ def test_policy_rejects_impossible_settings():
         GammaPolicy(raise_above=0.5, lower_below=0.6)
     with pytest.raises(ValueError, match="gamma_min"):
         GammaPolicy(gamma_min=-1)
+
+
+def test_step_cost_model_recovers_verification_and_draft_costs():
+    """Target time a + b·D and draft time d per token: c = (b + d) / (a / batch)."""
+    from proposers.gamma import StepCostModel
+
+    model = StepCostModel()
+    rng = np.random.default_rng(3)
+    a, b, d, batch = 0.008, 0.0004, 0.0002, 4
+    assert model.cost_ratio(batch) is None  # not enough steps yet
+    for _ in range(200):
+        drafted = int(rng.integers(0, 17))
+        model.observe_target(drafted, a + b * drafted)
+        model.observe_draft(drafted, d * drafted)
+    assert model.slope == pytest.approx(b, rel=1e-6)
+    assert model.cost_ratio(batch) == pytest.approx((b + d) / (a / batch), rel=1e-6)
+    # Expensive verification makes speculation stop paying: the cost model picks gamma 0.
+    from stats.speedup import optimal_gamma
+
+    assert optimal_gamma(0.25, model.cost_ratio(batch), 5) == 0 < optimal_gamma(0.6, model.cost_ratio(batch), 5)
