@@ -6,13 +6,14 @@ cd "$(dirname "$0")/.."
 source ci/env.sh
 PY=.venv/bin/python
 start=$(date +%s)
-$PY -m pytest tests -q -p no:cacheprovider --benchmark-disable --ignore=tests/benchmarks --timeout=1800 "$@"
+$PY -m pytest tests -q -p no:cacheprovider --benchmark-disable --ignore=tests/benchmarks --timeout=1800 \
+  --durations=15 "$@"
 rc=$?
 if [ "$rc" -eq 0 ] && [ -z "${SPECPLUGIN_SKIP_BENCH:-}" ] && [ "$#" -eq 0 ]; then
   # The short benchmark tier: records throughput (runs/benchmarks/ci-short.json); it fails only
   # when a benchmark itself fails (a server error, lost tokens), never on time.
   mkdir -p runs/benchmarks
-  $PY -m pytest tests/benchmarks -q -p no:cacheprovider -m short -k batch1-T0 \
+  BENCH_ROUNDS=1 $PY -m pytest tests/benchmarks -q -p no:cacheprovider -m short -k batch1-T0 \
     --benchmark-json=runs/benchmarks/ci-short.json --timeout=1800
   rc=$?
 fi

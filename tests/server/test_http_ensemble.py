@@ -16,7 +16,6 @@ pytestmark = pytest.mark.server
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
 ENSEMBLES = {
-    "2 drafts": (["draft-distill", "draft-small"], {}),
     "3 drafts": (["draft-distill", "draft-small", "draft-tiny"], {}),
     "2 drafts, all strategies": (
         ["draft-distill", "draft-small"],
