@@ -62,7 +62,8 @@ class MultiDraftProposer(_CustomClassAdapter):
     """Draft models as a vLLM proposer: one draft, or an ensemble of 2–3 whose predictions are mixed.
 
     Configured from ``additional_config["specplugin"]``: ``drafts``, ``draft_weights``,
-    ``draft_dtype``, ``draft_memory_budget_mb``, ``adapt_draft_weights``. With the runner shim
+    ``draft_dtype``, ``draft_memory_budget_mb``, ``adapt_draft_weights``, and the strategies
+    ``adaptive_gamma``, ``tree_drafting``, ``prefix_sharing``. With the runner shim
     (default) requests are keyed by id, sampled with their own temperature/top-k/top-p and
     verified against q; without it they are keyed by batch row and drafted greedily (one-hot).
     """
@@ -114,6 +115,7 @@ class MultiDraftProposer(_CustomClassAdapter):
         self._last_probs = None
         self._generators: dict[str, object] = {}
         self._warned_no_shim = False
+        self.draft_failures = 0
         label = "ensemble" if len(runtimes) > 1 else "draft"
         self.publisher = MetricsPublisher(self.ensemble.metrics, f"{label}[{', '.join(self.ensemble.names)}]")
         logger.info(
@@ -150,6 +152,7 @@ class MultiDraftProposer(_CustomClassAdapter):
         from proposers.base import GREEDY, DraftRequest
 
         view, self._batch_view = self._batch_view, None
+        self._last_probs = None
         if view is None and not self._warned_no_shim:
             self._warned_no_shim = True
             logger.warning(
@@ -170,7 +173,7 @@ class MultiDraftProposer(_CustomClassAdapter):
                 rid = view.req_ids[row]
                 requests.append(DraftRequest(rid, context, room, view.params[row], self._generator(rid, view.seeds[row])))
             rows.append(row)
-        drafts = self.proposer.propose(requests)
+        drafts = self._propose_or_fall_back(requests)
         output: list[list[int]] = [[] for _ in sampled_token_ids]
         for row, draft in zip(rows, drafts):
             output[row] = draft.token_ids
@@ -185,6 +188,25 @@ class MultiDraftProposer(_CustomClassAdapter):
             self._last_probs = probs
             self._forget_finished(view.live_request_ids)
         return output
+
+    def _propose_or_fall_back(self, requests):
+        """Drafting must never take the engine down: on an error this step drafts nothing (plain
+        decoding, no token lost), the affected requests' draft state is dropped, and the log says so."""
+        try:
+            return self.proposer.propose(requests)
+        except Exception:
+            self.draft_failures += 1
+            if self.draft_failures == 1 or self.draft_failures % 100 == 0:
+                logger.exception(
+                    "specplugin: drafting failed (%d time(s) so far); this step decodes without drafts",
+                    self.draft_failures,
+                )
+            for request in requests:
+                try:
+                    self.proposer.free(request.request_id)
+                except Exception:
+                    pass
+            return [self.proposer.empty_draft() for _ in requests]
 
     def _generator(self, request_id: str, seed: int | None):
         """Seeded requests draft reproducibly from their own stream (vLLM's generator is left alone)."""
