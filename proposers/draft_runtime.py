@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from proposers.lean_llama import LeanLlama
-from proposers.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
+from proposers.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, kv_nbytes
 from proposers.sampling import SamplingParams, processed_probs, sample
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,6 @@ class DraftRuntime:
         self._caches: OrderedDict[str, _RequestCache] = OrderedDict()
         self._too_long_logged: set[str] = set()
         self.tokens_forwarded = 0  # real (unpadded) tokens run through the model, for cost accounting
-        self.forward_calls = 0
         self.evictions = 0
 
     # -- request lifecycle -----------------------------------------------------------------
@@ -208,7 +207,6 @@ class DraftRuntime:
         mask = causal[None] & valid[:, None, :]
         # A padding query sees at least itself, so no softmax row is empty (no NaN).
         mask[:, torch.arange(n), query_columns] = True
-        self.forward_calls += 1
         if self.lean is not None:
             logits, new_layers = self.lean.forward(input_ids, positions, layers, mask[:, None])
             return logits.float(), new_layers
@@ -367,7 +365,7 @@ class DraftBatch:
             keep = self._valid[row].nonzero().squeeze(-1)
             cache.layers = [(k[row].index_select(1, keep), v[row].index_select(1, keep)) for k, v in self._layers]
             cache.cached_tokens.extend(self._added[row])
-            cache.nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in cache.layers)
+            cache.nbytes = kv_nbytes(cache.layers)
             self.runtime._share(cache)
         self._layers = []
         self.runtime._enforce_budget()

@@ -87,21 +87,19 @@ class EnsembleProposer(Proposer):
     def branch_distributions(self, request_id: str, context: Sequence[int], paths: list[list[int]]) -> torch.Tensor:
         """The unprocessed mixture m after ``context + path``, for each path [len(paths), V] (token
         trees). The request's caches keep holding ``context``."""
-        mixture = None
-        for weight, rt in zip(self._weights.tolist(), self.runtimes):
-            batch = DraftBatch.branches(rt, request_id, list(context), paths)
-            part = weight * batch.logits.float().softmax(-1)
-            batch.close()
-            mixture = part if mixture is None else mixture + part
-        return mixture
+        return self._mixture(lambda rt: DraftBatch.branches(rt, request_id, list(context), paths))
 
     @torch.no_grad()
     def root_distribution(self, request_id: str, context: Sequence[int]) -> torch.Tensor:
         """The unprocessed mixture m after ``context`` [V]; leaves the caches holding ``context``."""
+        return self._mixture(lambda rt: rt.open_batch([request_id], [list(context)]))[0]
+
+    def _mixture(self, open_batch) -> torch.Tensor:
+        """Σ_d w_d softmax(logits_d) over the batch each runtime opens with ``open_batch``."""
         mixture = None
         for weight, rt in zip(self._weights.tolist(), self.runtimes):
-            batch = rt.open_batch([request_id], [list(context)])
-            part = weight * batch.logits[0].float().softmax(-1)
+            batch = open_batch(rt)
+            part = weight * batch.logits.float().softmax(-1)
             batch.close()
             mixture = part if mixture is None else mixture + part
         return mixture

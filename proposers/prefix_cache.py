@@ -20,6 +20,11 @@ import torch
 DEFAULT_BLOCK_SIZE = 16
 
 
+def kv_nbytes(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Bytes held by per-layer (K, V) tensors."""
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+
+
 @dataclass(eq=False)
 class _Node:
     block: tuple[int, ...]
@@ -31,7 +36,7 @@ class _Node:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+        return kv_nbytes(self.layers)
 
 
 class PrefixCache:

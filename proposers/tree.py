@@ -286,12 +286,14 @@ class TreeProposer(Proposer):
         self.last_trees[rid] = tree
         self.stats.trees += 1
         self.stats.nodes += tree.num_nodes - 1
-        self.stats.chosen_expected_length += tree.expected_accepted_length(node)
-        self.stats.greedy_expected_length += tree.expected_accepted_length(tree.greedy_chain_node())
+        expected_best = tree.expected_accepted_length(node)
+        expected_greedy = tree.expected_accepted_length(tree.greedy_chain_node())
+        self.stats.chosen_expected_length += expected_best
+        self.stats.greedy_expected_length += expected_greedy
         self.stats.drafted_tokens += len(tokens)
         self.metrics.trees += 1
-        self.metrics.tree_expected_best += tree.expected_accepted_length(node)
-        self.metrics.tree_expected_greedy += tree.expected_accepted_length(tree.greedy_chain_node())
+        self.metrics.tree_expected_best += expected_best
+        self.metrics.tree_expected_greedy += expected_greedy
         if not tokens:
             return self.empty_draft()
         self._pending[rid] = _Pending(len(context), tokens)

@@ -32,6 +32,14 @@ class _CustomClassAdapter:
         """Draft tokens that still fit under max_model_len after a context of num_tokens."""
         return max(0, min(self.num_speculative_tokens, self.max_model_len - 1 - num_tokens))
 
+    def _drafting_rows(self, sampled_token_ids, num_tokens_no_spec):
+        """(row, context length, room) for each row that decodes this step and has room to draft."""
+        for row, sampled in enumerate(sampled_token_ids):
+            num_tokens = int(num_tokens_no_spec[row])
+            room = self._room(num_tokens)
+            if sampled and room > 0:
+                yield row, num_tokens, room
+
 
 class RepeatLastTokenProposer(_CustomClassAdapter):
     """Diagnostic proposer: drafts the last context token k times.
@@ -47,14 +55,9 @@ class RepeatLastTokenProposer(_CustomClassAdapter):
         token_ids_cpu: np.ndarray,
         slot_mappings=None,
     ) -> list[list[int]]:
-        drafts: list[list[int]] = []
-        for row, sampled in enumerate(sampled_token_ids):
-            num_tokens = int(num_tokens_no_spec[row])
-            room = self._room(num_tokens)
-            if not sampled or room == 0:
-                drafts.append([])
-                continue
-            drafts.append([int(token_ids_cpu[row, num_tokens - 1])] * room)
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        for row, num_tokens, room in self._drafting_rows(sampled_token_ids, num_tokens_no_spec):
+            drafts[row] = [int(token_ids_cpu[row, num_tokens - 1])] * room
         return drafts
 
 
@@ -161,11 +164,7 @@ class MultiDraftProposer(_CustomClassAdapter):
             )
         rows: list[int] = []
         requests: list[DraftRequest] = []
-        for row, sampled in enumerate(sampled_token_ids):
-            num_tokens = int(num_tokens_no_spec[row])
-            room = self._room(num_tokens)
-            if not sampled or room == 0:
-                continue
+        for row, num_tokens, room in self._drafting_rows(sampled_token_ids, num_tokens_no_spec):
             context = token_ids_cpu[row, :num_tokens].tolist()
             if view is None:
                 requests.append(DraftRequest(f"row-{row}", context, room, GREEDY))

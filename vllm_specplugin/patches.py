@@ -36,15 +36,24 @@ def install() -> None:
     runner_shim.install()
 
 
+def wrap_once(owner, name: str, make_wrapper) -> None:
+    """Replace ``owner.name`` by ``make_wrapper(original)``, unless our wrapper is already there."""
+    original = getattr(owner, name)
+    if getattr(original, _MARK, False):
+        return
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapper, _MARK, True)
+    setattr(owner, name, wrapper)
+
+
 def _wrap_engine_config_validation() -> None:
     """Validate ``additional_config['specplugin']`` as the engine config is built (start-up)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    original = EngineArgs.create_engine_config
-    if getattr(original, _MARK, False):
-        return
+    wrap_once(EngineArgs, "create_engine_config", _validating_create_engine_config)
 
-    @functools.wraps(original)
+
+def _validating_create_engine_config(original):
     def create_engine_config(self, *args, **kwargs):
         vllm_config = original(self, *args, **kwargs)
         config = SpecPluginConfig.from_additional_config(vllm_config.additional_config)
@@ -54,8 +63,7 @@ def _wrap_engine_config_validation() -> None:
         metrics.prepare_metrics_dir()  # the engine processes started next inherit its path
         return vllm_config
 
-    setattr(create_engine_config, _MARK, True)
-    EngineArgs.create_engine_config = create_engine_config
+    return create_engine_config
 
 
 def _check_against_engine(config: SpecPluginConfig, vllm_config) -> None:
@@ -81,19 +89,16 @@ def _wrap_worker_init() -> None:
     """
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    original = WorkerWrapperBase.init_device
-    if getattr(original, _MARK, False):
-        return
+    def repairing_init_device(original):
+        def init_device(self):
+            config = SpecPluginConfig.from_additional_config(
+                getattr(self.vllm_config, "additional_config", None)
+            )
+            from vllm_specplugin import sampler_repair
 
-    @functools.wraps(original)
-    def init_device(self):
-        config = SpecPluginConfig.from_additional_config(
-            getattr(self.vllm_config, "additional_config", None)
-        )
-        from vllm_specplugin import sampler_repair
+            sampler_repair.apply(config.cpu_sampler_repair)
+            return original(self)
 
-        sampler_repair.apply(config.cpu_sampler_repair)
-        return original(self)
+        return init_device
 
-    setattr(init_device, _MARK, True)
-    WorkerWrapperBase.init_device = init_device
+    wrap_once(WorkerWrapperBase, "init_device", repairing_init_device)

@@ -11,13 +11,10 @@ gets no BatchView and must draft deterministically (one-hot verification is then
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from proposers.sampling import SamplingParams
 from vllm_specplugin.config import SpecPluginConfig
-
-_MARK = "_specplugin_wrapped"
 
 
 @dataclass(frozen=True)
@@ -58,11 +55,12 @@ def _shim_enabled(runner) -> bool:
 def install() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    original = GPUModelRunner.propose_draft_token_ids
-    if getattr(original, _MARK, False):
-        return
+    from vllm_specplugin.patches import wrap_once
 
-    @functools.wraps(original)
+    wrap_once(GPUModelRunner, "propose_draft_token_ids", _shimmed_propose_draft_token_ids)
+
+
+def _shimmed_propose_draft_token_ids(original):
     def propose_draft_token_ids(self, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
         use = _shim_enabled(self) and hasattr(drafter, "set_batch_view")
@@ -76,5 +74,4 @@ def install() -> None:
                 self._draft_prob_req_ids = self.input_batch.req_ids.copy()
         return draft_token_ids
 
-    setattr(propose_draft_token_ids, _MARK, True)
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    return propose_draft_token_ids
