@@ -14,10 +14,10 @@ test-fast: setup
 	@bash ci/test.sh -m "not engine and not server and not statistical"
 
 demo: setup
-	@source ci/env.sh && $(PY) -m verification.demo
+	@source ci/env.sh && $(PY) -m vllm_specplugin.throughput.demo
 
 demo-repair: setup
-	@source ci/env.sh && $(PY) -m verification.repair_demo
+	@source ci/env.sh && $(PY) -m vllm_specplugin.throughput.repair_demo
 
 # Throughput benchmarks (pytest-benchmark; several minutes per server configuration).
 bench: setup
@@ -26,11 +26,11 @@ bench: setup
 
 # Speedups of the last saved run against the one before (fails on a drop beyond 15%).
 bench-compare: setup
-	@$(PY) -m verification.bench_history compare
+	@$(PY) -m vllm_specplugin.throughput.bench_history compare
 
 # Every saved run's speedups as a table, and runs/benchmarks/history.png.
 bench-history: setup
-	@$(PY) -m verification.bench_history show
+	@$(PY) -m vllm_specplugin.throughput.bench_history show
 
 models: setup
 	@$(PY) -m models.build

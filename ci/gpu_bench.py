@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from proposers.base import DraftRequest  # noqa: E402
-from proposers.draft_runtime import DraftRuntime  # noqa: E402
-from proposers.ensemble import EnsembleProposer  # noqa: E402
-from proposers.sampling import SamplingParams  # noqa: E402
-from verification.checkpoints import make_random_llama  # noqa: E402
+from vllm_specplugin.proposers.base import DraftRequest  # noqa: E402
+from vllm_specplugin.proposers.draft_runtime import DraftRuntime  # noqa: E402
+from vllm_specplugin.proposers.ensemble import EnsembleProposer  # noqa: E402
+from vllm_specplugin.proposers.sampling import SamplingParams  # noqa: E402
+from vllm_specplugin.models.random_llama import make_random_llama  # noqa: E402
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "demo")
 GAMMA = 4

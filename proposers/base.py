@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from proposers.draft_runtime import Draft
-from proposers.sampling import SamplingParams
+from vllm_specplugin.proposers.draft_runtime import Draft
+from vllm_specplugin.proposers.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proposers.lean_llama import LeanLlama
-from proposers.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, kv_nbytes
-from proposers.sampling import SamplingParams, processed_probs, sample
+from vllm_specplugin.proposers.lean_llama import LeanLlama
+from vllm_specplugin.proposers.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, kv_nbytes
+from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from proposers.base import DraftRequest, Proposer
-from proposers.draft_runtime import Draft, DraftBatch, DraftRuntime
-from proposers.metrics import DraftMetrics, accepted_count
-from proposers.sampling import processed_probs_rows, sample_rows
+from vllm_specplugin.proposers.base import DraftRequest, Proposer
+from vllm_specplugin.proposers.draft_runtime import Draft, DraftBatch, DraftRuntime
+from vllm_specplugin.proposers.metrics import DraftMetrics, accepted_count
+from vllm_specplugin.proposers.sampling import processed_probs_rows, sample_rows
 
 FORGETTING = 0.01  # per verified token, log-weights shrink by this factor (memory ~100 tokens)
 MIN_WEIGHT = 0.02  # an adapted weight never drops below this, so a draft can come back

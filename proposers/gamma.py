@@ -25,10 +25,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proposers.base import DraftRequest, Proposer
-from proposers.draft_runtime import Draft
-from proposers.metrics import accepted_count
-from stats.speedup import optimal_gamma
+from vllm_specplugin.proposers.base import DraftRequest, Proposer
+from vllm_specplugin.proposers.draft_runtime import Draft
+from vllm_specplugin.proposers.metrics import accepted_count
+from vllm_specplugin.stats.speedup import optimal_gamma
 
 GAMMA_MODES = ("threshold", "cost_model")
 PROBE_EVERY = 8

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proposers.base import DraftRequest, Proposer
-from proposers.draft_runtime import Draft
-from proposers.ensemble import EnsembleProposer
-from proposers.metrics import accepted_count
-from proposers.sampling import SamplingParams, processed_probs, processed_probs_rows
+from vllm_specplugin.proposers.base import DraftRequest, Proposer
+from vllm_specplugin.proposers.draft_runtime import Draft
+from vllm_specplugin.proposers.ensemble import EnsembleProposer
+from vllm_specplugin.proposers.metrics import accepted_count
+from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, processed_probs_rows
 
 ROOT = 0
 

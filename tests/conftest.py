@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from verification.checkpoints import make_random_llama
+from vllm_specplugin.models.random_llama import make_random_llama
 
 
 @pytest.fixture(scope="session")

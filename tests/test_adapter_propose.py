@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from proposers.sampling import SamplingParams
-from verification.drivers import REPO_ROOT
+from vllm_specplugin.proposers.sampling import SamplingParams
+from vllm_specplugin.verification.drivers import REPO_ROOT
 from vllm_specplugin.runner_shim import BatchView
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")

@@ -18,8 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from models import ALL, DEMO_DIR, DRAFTS, TARGET  # noqa: E402
-from models import corpus  # noqa: E402
+from vllm_specplugin.models import ALL, DEMO_DIR, DRAFTS, TARGET  # noqa: E402
+from vllm_specplugin.models import corpus  # noqa: E402
 
 DEMO = Path(os.environ.get("SPECPLUGIN_DEMO_DIR", DEMO_DIR))
 HELDOUT_TOKENS = 3000

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from proposers.draft_runtime import DraftModelError, DraftRuntime
-from proposers.sampling import SamplingParams, processed_probs
-from verification.algorithm import process_logits
-from verification.drivers import REPO_ROOT
+from vllm_specplugin.proposers.draft_runtime import DraftModelError, DraftRuntime
+from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs
+from vllm_specplugin.verification.algorithm import process_logits
+from vllm_specplugin.verification.drivers import REPO_ROOT
 
 DRAFT = os.path.join(REPO_ROOT, "models", "demo", "draft-tiny")
 VOCAB = 4096
@@ -92,7 +92,7 @@ def test_processing_matches_the_reference(runtime):
 
 def test_context_beyond_draft_length_falls_back_once(runtime, caplog):
     too_long = context(runtime.max_length, seed=4)
-    with caplog.at_level(logging.WARNING, logger="proposers.draft_runtime"):
+    with caplog.at_level(logging.WARNING, logger="vllm_specplugin.proposers.draft_runtime"):
         assert runtime.draft("long", too_long, 3, GREEDY).token_ids == []
         assert runtime.draft("long", too_long + [5], 3, GREEDY).token_ids == []
     messages = [r.getMessage() for r in caplog.records if "maximum length" in r.getMessage()]
@@ -134,7 +134,7 @@ def test_lean_llama_forward_equals_transformers(name):
 def test_lean_forward_is_not_used_where_it_does_not_apply(random_target):
     from transformers import AutoConfig
 
-    from proposers.lean_llama import LeanLlama
+    from vllm_specplugin.proposers.lean_llama import LeanLlama
 
     runtime_ = DraftRuntime(random_target)
     assert LeanLlama.supports(runtime_.model)

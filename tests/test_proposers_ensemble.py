@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from proposers.base import GREEDY, DraftRequest
-from proposers.draft_runtime import DraftRuntime
-from proposers.ensemble import EnsembleProposer
-from proposers.sampling import SamplingParams, processed_probs
-from verification.drivers import REPO_ROOT
+from vllm_specplugin.proposers.base import GREEDY, DraftRequest
+from vllm_specplugin.proposers.draft_runtime import DraftRuntime
+from vllm_specplugin.proposers.ensemble import EnsembleProposer
+from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs
+from vllm_specplugin.verification.drivers import REPO_ROOT
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
 VOCAB = 4096
@@ -150,7 +150,7 @@ def test_row_sampling_draws_from_each_row():
     """Inverse-CDF sampling draws each row from its own probabilities (chi-square, fixed seed)."""
     from scipy.stats import chisquare
 
-    from proposers.sampling import sample_rows
+    from vllm_specplugin.proposers.sampling import sample_rows
 
     torch.manual_seed(0)
     probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.1, 0.7]])

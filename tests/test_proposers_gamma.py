@@ -7,11 +7,11 @@ import os
 import numpy as np
 import pytest
 
-from proposers.base import DraftRequest
-from proposers.draft_runtime import DraftRuntime
-from proposers.ensemble import EnsembleProposer
-from proposers.gamma import PROBE_EVERY, AdaptiveGamma, GammaPolicy
-from verification.drivers import REPO_ROOT
+from vllm_specplugin.proposers.base import DraftRequest
+from vllm_specplugin.proposers.draft_runtime import DraftRuntime
+from vllm_specplugin.proposers.ensemble import EnsembleProposer
+from vllm_specplugin.proposers.gamma import PROBE_EVERY, AdaptiveGamma, GammaPolicy
+from vllm_specplugin.verification.drivers import REPO_ROOT
 
 DRAFT = os.path.join(REPO_ROOT, "models", "demo", "draft-tiny")
 
@@ -49,7 +49,7 @@ def test_threshold_rule_raises_and_lowers_gamma(runtime):
 
 
 def test_cost_model_rule_matches_the_speedup_formula(runtime):
-    from stats.speedup import expected_speedup
+    from vllm_specplugin.stats.speedup import expected_speedup
 
     proposer = AdaptiveGamma(EnsembleProposer([runtime]), GammaPolicy(mode="cost_model", gamma_min=0, cost_ratio=0.2))
     contexts = {"c": np.random.default_rng(1).integers(3, 4096, 20).tolist()}
@@ -86,7 +86,7 @@ def test_policy_rejects_impossible_settings():
 
 def test_step_cost_model_recovers_verification_and_draft_costs():
     """Target time a + b·D and draft time d per token: c = (b + d) / (a / batch)."""
-    from proposers.gamma import StepCostModel
+    from vllm_specplugin.proposers.gamma import StepCostModel
 
     model = StepCostModel()
     rng = np.random.default_rng(3)
@@ -99,6 +99,6 @@ def test_step_cost_model_recovers_verification_and_draft_costs():
     assert model.slope == pytest.approx(b, rel=1e-6)
     assert model.cost_ratio(batch) == pytest.approx((b + d) / (a / batch), rel=1e-6)
     # Expensive verification makes speculation stop paying: the cost model picks gamma 0.
-    from stats.speedup import optimal_gamma
+    from vllm_specplugin.stats.speedup import optimal_gamma
 
     assert optimal_gamma(0.25, model.cost_ratio(batch), 5) == 0 < optimal_gamma(0.6, model.cost_ratio(batch), 5)

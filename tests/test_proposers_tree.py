@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from proposers.base import GREEDY, DraftRequest
-from proposers.draft_runtime import DraftRuntime
-from proposers.ensemble import EnsembleProposer
-from proposers.sampling import SamplingParams, processed_probs
-from proposers.tree import TokenTree, TreeProposer, build_tree
-from verification.drivers import REPO_ROOT
+from vllm_specplugin.proposers.base import GREEDY, DraftRequest
+from vllm_specplugin.proposers.draft_runtime import DraftRuntime
+from vllm_specplugin.proposers.ensemble import EnsembleProposer
+from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs
+from vllm_specplugin.proposers.tree import TokenTree, TreeProposer, build_tree
+from vllm_specplugin.verification.drivers import REPO_ROOT
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
 VOCAB = 4096

@@ -1,3 +1,3 @@
-from verification.cli import main
+from vllm_specplugin.verification.cli import main
 
 main()

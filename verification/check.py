@@ -17,9 +17,9 @@ import numpy as np
 from scipy import stats as scipy_stats
 from tqdm import tqdm
 
-import stats
-from verification.drivers import GenerationTask, SamplingConfig, run_http, run_offline
-from verification.reference import ProcessedConditionals, TargetReference
+from vllm_specplugin import stats
+from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig, run_http, run_offline
+from vllm_specplugin.verification.reference import ProcessedConditionals, TargetReference
 
 
 @dataclasses.dataclass(frozen=True)

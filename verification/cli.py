@@ -1,8 +1,8 @@
-"""``python -m verification`` / ``specplugin-verify``: check a model + speculative config for exactness.
+"""``python -m vllm_specplugin.verification`` / ``specplugin-verify``: check a model + speculative config for exactness.
 
 Example (a plugin proposer, three temperatures, top-k 50 and top-p 0.9):
 
-    python -m verification --model PATH \\
+    python -m vllm_specplugin.verification --model PATH \\
         --speculative-config '{"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 3}' \\
         --temperature 0.7 1.0 1.3 --top-k 50 --top-p 0.9 --samples 2000 --tokens 3 --json report.json
 """
@@ -13,13 +13,13 @@ import argparse
 import json
 import sys
 
-from verification.check import random_prompts, run_check
-from verification.drivers import SamplingConfig
+from vllm_specplugin.verification.check import random_prompts, run_check
+from vllm_specplugin.verification.drivers import SamplingConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m verification",
+        prog="python -m vllm_specplugin.verification",
         description=(
             "Statistical exactness check: sample continuations from vLLM (with or without "
             "speculative decoding) and test, at every visited prefix, the next-token counts "
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             f.write(report.to_json())
         print(f"report written to {args.json_path}")
     if args.plot_path:
-        from verification.plots import plot_report
+        from vllm_specplugin.verification.plots import plot_report
 
         plot_report(report, {c.name: list(c.node_pvalues) for c in report.cases}, args.plot_path)
         print(f"plot written to {args.plot_path}")

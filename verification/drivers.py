@@ -9,7 +9,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from vllm_specplugin.server import REPO_ROOT, engine_env  # noqa: F401  (re-exported for the harness)
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,6 @@ class EngineJobError(RuntimeError):
     pass
 
 
-def engine_env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return env
-
-
 def run_offline(
     model: str,
     tasks: list[GenerationTask],
@@ -88,7 +79,7 @@ def run_offline(
         log_file = open(log_path or os.path.join(tmp, "engine.log"), "w")
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "verification.engine_job", job_path, out_path],
+                [sys.executable, "-m", "vllm_specplugin.verification.engine_job", job_path, out_path],
                 cwd=REPO_ROOT,
                 env={**engine_env(), **(extra_env or {})},
                 stdout=log_file,
@@ -124,7 +115,7 @@ def run_http(
 
     from openai import OpenAI
 
-    from verification.server import VllmServer
+    from vllm_specplugin.server import VllmServer
 
     t0 = time.perf_counter()
     server = VllmServer(model, speculative_config=speculative_config, additional_config=additional_config,
@@ -160,7 +151,7 @@ def run_http(
 
 def _http_counter_difference(after: dict, before: dict) -> dict:
     """Prometheus totals -> the offline driver's counter names, accrued between two scrapes."""
-    from verification.server import metric_total
+    from vllm_specplugin.server import metric_total
 
     names = {
         "vllm:spec_decode_num_drafts": "vllm:spec_decode_num_drafts_total",

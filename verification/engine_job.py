@@ -2,7 +2,7 @@
 
 Each job gets a fresh process: vLLM's kernel registry and engine state are per process, and a
 fresh process frees all memory when it ends. Internal; see ``drivers.run_offline``:
-``python -m verification.engine_job JOB.json OUT.json``.
+``python -m vllm_specplugin.verification.engine_job JOB.json OUT.json``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from verification.algorithm import process_logits
+from vllm_specplugin.verification.algorithm import process_logits
 
 
 class TargetReference:

@@ -75,10 +75,10 @@ class MultiDraftProposer(_CustomClassAdapter):
         super().__init__(vllm_config)
         import torch
 
-        from proposers.draft_runtime import DraftRuntime
-        from proposers.ensemble import EnsembleProposer
-        from proposers.gamma import AdaptiveGamma
-        from proposers.tree import TreeProposer
+        from vllm_specplugin.proposers.draft_runtime import DraftRuntime
+        from vllm_specplugin.proposers.ensemble import EnsembleProposer
+        from vllm_specplugin.proposers.gamma import AdaptiveGamma
+        from vllm_specplugin.proposers.tree import TreeProposer
         from vllm_specplugin.config import SpecPluginConfigError
         from vllm_specplugin.metrics import MetricsPublisher
 
@@ -152,7 +152,7 @@ class MultiDraftProposer(_CustomClassAdapter):
     ) -> list[list[int]]:
         import torch
 
-        from proposers.base import GREEDY, DraftRequest
+        from vllm_specplugin.proposers.base import GREEDY, DraftRequest
 
         view, self._batch_view = self._batch_view, None
         self._last_probs = None

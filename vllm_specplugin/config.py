@@ -62,7 +62,7 @@ class SpecPluginConfig:
 
     def gamma_policy(self):
         """The validated adaptive-γ policy, or None for a fixed γ."""
-        from proposers.gamma import GammaPolicy
+        from vllm_specplugin.proposers.gamma import GammaPolicy
 
         return None if self.adaptive_gamma is None else GammaPolicy(**self.adaptive_gamma)
 
@@ -136,7 +136,7 @@ _GAMMA_FIELDS = {
 
 
 def _gamma_policy(value: Any) -> dict:
-    from proposers.gamma import GammaPolicy
+    from vllm_specplugin.proposers.gamma import GammaPolicy
 
     if value is True:
         value = {}

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 
-from proposers.metrics import DraftMetrics
+from vllm_specplugin.proposers.metrics import DraftMetrics
 from vllm_specplugin.logging_utils import get_logger
 
 logger = get_logger()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proposers.sampling import SamplingParams
+from vllm_specplugin.proposers.sampling import SamplingParams
 from vllm_specplugin.config import SpecPluginConfig
 
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from verification.bench import WorkloadResult, format_table
-from verification.drivers import REPO_ROOT
+from vllm_specplugin.throughput.bench import WorkloadResult, format_table
+from vllm_specplugin.verification.drivers import REPO_ROOT
 
 RESULTS: dict[str, list[WorkloadResult]] = {}
 

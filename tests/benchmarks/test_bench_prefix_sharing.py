@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from verification.bench import benchmark_workload, plugin_config, served_fixture
-from verification.workloads import shared_system_prompt_requests
+from vllm_specplugin.throughput.bench import benchmark_workload, plugin_config, served_fixture
+from vllm_specplugin.throughput.workloads import shared_system_prompt_requests
 
 pytestmark = [pytest.mark.server]
 

@@ -16,14 +16,14 @@ import importlib.util
 
 import pytest
 
-from verification.bench import (
+from vllm_specplugin.throughput.bench import (
     ServedConfig,
     benchmark_workload,
     builtin_draft_model_config,
     plugin_config,
     served_fixture,
 )
-from verification.workloads import heldout_prompts
+from vllm_specplugin.throughput.workloads import heldout_prompts
 
 pytestmark = [pytest.mark.server]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from verification.bench import benchmark_workload, plugin_config, served_fixture
-from verification.workloads import heldout_prompts
+from vllm_specplugin.throughput.bench import benchmark_workload, plugin_config, served_fixture
+from vllm_specplugin.throughput.workloads import heldout_prompts
 
 pytestmark = [pytest.mark.server]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from verification.repair_demo import repeat_rate
-from verification.drivers import GenerationTask, SamplingConfig, run_offline
+from vllm_specplugin.throughput.repair_demo import repeat_rate
+from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig, run_offline
 
 pytestmark = pytest.mark.engine
 

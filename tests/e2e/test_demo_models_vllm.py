@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from verification.drivers import REPO_ROOT, GenerationTask, SamplingConfig, run_offline
+from vllm_specplugin.verification.drivers import REPO_ROOT, GenerationTask, SamplingConfig, run_offline
 
 pytestmark = pytest.mark.engine
 

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from verification.drivers import REPO_ROOT
-from verification.server import VllmServer, metric_total
+from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.server import VllmServer, metric_total
 
 pytestmark = pytest.mark.server
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from verification.check import random_prompts, run_check
-from verification.drivers import SamplingConfig
+from vllm_specplugin.verification.check import random_prompts, run_check
+from vllm_specplugin.verification.drivers import SamplingConfig
 
 pytestmark = [pytest.mark.server, pytest.mark.statistical]
 

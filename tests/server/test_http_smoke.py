@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from verification.server import VllmServer, metric_total
+from vllm_specplugin.server import VllmServer, metric_total
 
 pytestmark = pytest.mark.server
 
@@ -50,7 +50,7 @@ def test_completions_and_spec_decode_metrics(random_target):
 
 def test_server_start_failure_is_reported_and_cleaned_up(random_target):
     """A malformed plugin config stops the server at start-up with the field named."""
-    from verification.server import ServerStartError
+    from vllm_specplugin.server import ServerStartError
 
     server = VllmServer(
         random_target,

@@ -21,8 +21,8 @@ import os
 
 import pytest
 
-from verification.check import random_prompts, run_check
-from verification.drivers import REPO_ROOT, SamplingConfig
+from vllm_specplugin.verification.check import random_prompts, run_check
+from vllm_specplugin.verification.drivers import REPO_ROOT, SamplingConfig
 
 pytestmark = [pytest.mark.statistical, pytest.mark.engine]
 

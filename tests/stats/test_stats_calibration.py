@@ -10,7 +10,7 @@ import pytest
 from scipy import stats as sst
 
 from stats_sources import MarkovSource, worst_case_alternative, zipf_probs
-from stats import (chain_test, chisquare_power, cohens_w, gof_test, probability_bins,
+from vllm_specplugin.stats import (chain_test, chisquare_power, cohens_w, gof_test, probability_bins,
                    sample_size_for_tv, tv_distance)
 
 pytestmark = pytest.mark.statistical

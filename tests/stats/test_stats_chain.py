@@ -3,7 +3,7 @@ import pytest
 from scipy import stats as sst
 
 from stats_sources import MarkovSource
-from stats import chain_test, combine_chain_results, gof_test
+from vllm_specplugin.stats import chain_test, combine_chain_results, gof_test
 
 
 def _uniform_provider(v, calls=None, zero=()):

@@ -7,7 +7,7 @@ from hypothesis.extra.numpy import arrays
 from scipy import stats as sst
 
 from stats_sources import zipf_probs
-from stats import counts_from_samples, gof_test, probability_bins, williams_q
+from vllm_specplugin.stats import counts_from_samples, gof_test, probability_bins, williams_q
 
 
 # ---------------------------------------------------------------- binning rules

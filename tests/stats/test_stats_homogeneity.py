@@ -3,7 +3,7 @@ import pytest
 from scipy import stats as sst
 
 from stats_sources import zipf_probs
-from stats import homogeneity_test
+from vllm_specplugin.stats import homogeneity_test
 
 
 def test_homogeneity_matches_chi2_contingency_hand():

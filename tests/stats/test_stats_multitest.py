@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
-from stats import holm, holm_reject
+from vllm_specplugin.stats import holm, holm_reject
 
 
 def test_holm_hand_example():

@@ -4,7 +4,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 from scipy import stats as sst
 
-from stats import (chisquare_power, cohens_w, min_detectable_tv, power_for_tv,
+from vllm_specplugin.stats import (chisquare_power, cohens_w, min_detectable_tv, power_for_tv,
                    sample_size_for_tv, tv_distance)
 
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from stats import (acceptance_rate, empirical_acceptance, expected_speedup,
+from vllm_specplugin.stats import (acceptance_rate, empirical_acceptance, expected_speedup,
                    expected_tokens_per_step, optimal_gamma)
 
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from stats_sources import zipf_probs
-from stats import probability_bins, tv_distance, tv_estimate
+from vllm_specplugin.stats import probability_bins, tv_distance, tv_estimate
 
 
 def test_tv_distance():

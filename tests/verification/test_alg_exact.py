@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verification import algorithm as alg
+from vllm_specplugin.verification import algorithm as alg
 
 ATOL = 1e-12
 SETTINGS = settings(derandomize=True, deadline=None, max_examples=100, database=None,

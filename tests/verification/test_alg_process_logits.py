@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verification import algorithm as alg
+from vllm_specplugin.verification import algorithm as alg
 
 SETTINGS = settings(derandomize=True, deadline=None, max_examples=150, database=None)
 

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-import stats
-from verification import algorithm as alg
+from vllm_specplugin import stats
+from vllm_specplugin.verification import algorithm as alg
 
 pytestmark = pytest.mark.statistical
 

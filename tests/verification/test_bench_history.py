@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from verification.bench_history import compare, load_runs, main
+from vllm_specplugin.throughput.bench_history import compare, load_runs, main
 
 
 def saved_run(path, speedups: dict[str, float], seconds: float):

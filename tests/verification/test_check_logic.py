@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from verification.check import CheckReport, analyse, random_prompts
-from verification.drivers import REPO_ROOT, SamplingConfig
-from verification.plots import plot_report
-from verification.reference import ProcessedConditionals, TargetReference
+from vllm_specplugin.verification.check import CheckReport, analyse, random_prompts
+from vllm_specplugin.verification.drivers import REPO_ROOT, SamplingConfig
+from vllm_specplugin.verification.plots import plot_report
+from vllm_specplugin.verification.reference import ProcessedConditionals, TargetReference
 
 N, M = 1500, 2
 
@@ -59,7 +59,7 @@ def test_cli_help():
 
 
 def test_plot_report(tmp_path):
-    from verification.check import CaseReport
+    from vllm_specplugin.verification.check import CaseReport
 
     case = CaseReport(
         name="T=1 top_k=50 top_p=0.9", sampling={}, n_prompts=1, samples_per_prompt=10, tokens_per_sample=3,

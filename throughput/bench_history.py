@@ -1,6 +1,6 @@
 """Saved benchmark runs (pytest-benchmark JSON): compare the last two, or show the history.
 
-``python -m verification.bench_history compare`` gates on the within-run speedup over plain
+``python -m vllm_specplugin.throughput.bench_history compare`` gates on the within-run speedup over plain
 decoding (``extra_info.speedup_vs_plain``), never on absolute seconds: a configuration whose
 speedup fell by more than ``--tolerance`` (relative, default 0.15 for noisy machines) against
 the previous run fails. ``show`` prints every run's speedups as a table and plots them.
@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from verification.drivers import REPO_ROOT
+from vllm_specplugin.verification.drivers import REPO_ROOT
 
 STORAGE = os.path.join(REPO_ROOT, "runs", "benchmarks")
 

@@ -14,8 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from verification.drivers import REPO_ROOT
-from verification.server import VllmServer, metric_total
+from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.server import VllmServer, metric_total
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
 PLUGIN_PROPOSER = "vllm_specplugin.adapters.MultiDraftProposer"
@@ -113,7 +113,7 @@ class WorkloadResult:
         return step * (1 - self.draft_time_fraction) / (self.batch / plain_tokens_per_s)
 
     def leviathan_bound(self) -> float | None:
-        from stats.speedup import expected_speedup
+        from vllm_specplugin.stats.speedup import expected_speedup
 
         if self.alpha is None or self.cost_ratio is None:
             return None

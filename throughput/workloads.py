@@ -25,7 +25,7 @@ def heldout_prompts(count: int | None = None) -> list[str]:
 
 def make_heldout_prompts(seed: int = 0, limit: int = 48) -> list[dict]:
     """6 lines before a ``def`` and 3 after, two per held-out file, 150–700 characters."""
-    from models import corpus
+    from vllm_specplugin.models import corpus
 
     rng = random.Random(seed)
     prompts = []

@@ -14,8 +14,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from verification.checkpoints import make_random_llama
-from verification.drivers import REPO_ROOT, GenerationTask, SamplingConfig, run_offline
+from vllm_specplugin.models.random_llama import make_random_llama
+from vllm_specplugin.verification.drivers import REPO_ROOT, GenerationTask, SamplingConfig, run_offline
 
 SPEC = {
     "method": "custom_class",

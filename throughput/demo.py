@@ -17,9 +17,9 @@ import time
 
 from tqdm import tqdm
 
-from verification.bench import DEMO, ServedConfig, WorkloadResult, plugin_config, run_workload
-from verification.drivers import REPO_ROOT, SamplingConfig
-from verification.workloads import heldout_prompts
+from vllm_specplugin.throughput.bench import DEMO, ServedConfig, WorkloadResult, plugin_config, run_workload
+from vllm_specplugin.verification.drivers import REPO_ROOT, SamplingConfig
+from vllm_specplugin.throughput.workloads import heldout_prompts
 
 BEST = plugin_config(
     "plugin: ensemble(distill+small) + adaptive gamma",
@@ -94,8 +94,8 @@ def _most_uncertain_prompt(tokenizer, candidates: int = 8, length: int = 24) -> 
     Chosen from the exact probabilities, never from samples."""
     import numpy as np
 
-    from verification.algorithm import process_logits
-    from verification.reference import TargetReference
+    from vllm_specplugin.verification.algorithm import process_logits
+    from vllm_specplugin.verification.reference import TargetReference
 
     reference = TargetReference(os.path.join(DEMO, "target"))
     best, best_entropy = None, -1.0
@@ -113,7 +113,7 @@ def exactness_check(samples: int, progress):
     """A short chain-rule chi-square check of the best configuration at T=1 with top-k and top-p."""
     from transformers import AutoTokenizer
 
-    from verification.check import run_check
+    from vllm_specplugin.verification.check import run_check
 
     progress.set_description("exactness check (its own engine)")
     prompt = _most_uncertain_prompt(AutoTokenizer.from_pretrained(os.path.join(DEMO, "target")))

@@ -17,7 +17,17 @@ import time
 import urllib.error
 import urllib.request
 
-from verification.drivers import REPO_ROOT, engine_env
+# The repository (or, installed, the site-packages dir): working dir of the engines it starts.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def engine_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
 
 
 def free_port() -> int:
