@@ -14,10 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_specplugin.proposers.draft_runtime import Draft
 from vllm_specplugin.proposers.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class Draft:
+    """Tokens drafted for one request and, per token, the distribution q it was drawn from."""
+
+    token_ids: list[int]
+    probs: torch.Tensor  # [len(token_ids), vocab] float32 on the proposer's device; one-hot rows for greedy drafts
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,11 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def free(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
+
+    @abc.abstractmethod
+    def tracked_request_ids(self) -> set[str]:
+        """Every request this proposer (and whatever it wraps) holds state for; the vLLM adapter
+        frees those the engine no longer runs."""
 
     def empty_draft(self) -> Draft:
         return Draft([], torch.empty(0, self.vocab_size))

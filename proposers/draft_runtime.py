@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_specplugin.proposers.base import Draft  # noqa: F401  (re-exported)
 from vllm_specplugin.proposers.lean_llama import LeanLlama
 from vllm_specplugin.proposers.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, kv_nbytes
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
@@ -34,14 +35,6 @@ SOLO_PREFILL_THRESHOLD = 16
 
 class DraftModelError(ValueError):
     """A draft checkpoint that cannot serve the target (missing, or another vocabulary)."""
-
-
-@dataclass
-class Draft:
-    """Tokens drafted for one request and, per token, the distribution q it was drawn from."""
-
-    token_ids: list[int]
-    probs: torch.Tensor  # [len(token_ids), vocab], float32; rows are one-hot for greedy drafts
 
 
 @dataclass

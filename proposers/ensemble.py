@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_specplugin.proposers.base import DraftRequest, Proposer
-from vllm_specplugin.proposers.draft_runtime import Draft, DraftBatch, DraftRuntime
+from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
+from vllm_specplugin.proposers.draft_runtime import DraftBatch, DraftRuntime
 from vllm_specplugin.proposers.metrics import DraftMetrics, accepted_count
 from vllm_specplugin.proposers.sampling import processed_probs_rows, sample_rows
 
@@ -107,7 +107,7 @@ class EnsembleProposer(Proposer):
     @torch.no_grad()
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         started = time.perf_counter()
-        self._time_step(started, requests)
+        self.time_step(started, requests)
         drafts = [self.empty_draft() for _ in requests]
         active: list[tuple[int, DraftRequest, int]] = []
         for index, request in enumerate(requests):
@@ -200,7 +200,7 @@ class EnsembleProposer(Proposer):
         self._weights = weights / weights.sum()
         self.metrics.weights = dict(zip(self.names, self._weights.tolist()))
 
-    def _time_step(self, now: float, requests: Sequence[DraftRequest]) -> None:
+    def time_step(self, now: float, requests: Sequence[DraftRequest]) -> None:
         """Count the time since the previous call as step time when a request spans both calls
         (the engine was busy stepping it; an idle gap has no request in common)."""
         ids = {request.request_id for request in requests}

@@ -25,8 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_specplugin.proposers.base import DraftRequest, Proposer
-from vllm_specplugin.proposers.draft_runtime import Draft
+from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.metrics import accepted_count
 from vllm_specplugin.stats.speedup import optimal_gamma
 
@@ -128,10 +127,7 @@ class AdaptiveGamma(Proposer):
         self.inner.free(request_id)
 
     def tracked_request_ids(self) -> set[str]:
-        ids = set(self._states)
-        if hasattr(self.inner, "tracked_request_ids"):
-            ids |= self.inner.tracked_request_ids()
-        return ids
+        return set(self._states) | self.inner.tracked_request_ids()
 
     def gamma_of(self, request_id: str) -> int | None:
         state = self._states.get(request_id)

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_specplugin.proposers.base import DraftRequest, Proposer
-from vllm_specplugin.proposers.draft_runtime import Draft
+from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.metrics import accepted_count
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, processed_probs_rows
@@ -252,7 +251,7 @@ class TreeProposer(Proposer):
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         started = time.perf_counter()
         # The ensemble's own step timing (its propose() is not called when wrapped).
-        self.ensemble._time_step(started, requests)
+        self.ensemble.time_step(started, requests)
         drafts = []
         for request in requests:
             self._observe(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,7 +16,7 @@ OLD_TOP_LEVEL = re.compile(r"^\s*(from|import)\s+(stats|proposers|verification|t
 def test_no_module_imports_a_bare_top_level_package():
     offenders = []
     for path in REPO.rglob("*.py"):
-        if ".venv" in path.parts or "runs" in path.parts:
+        if {".venv", "runs", "build"} & set(path.parts):
             continue
         for match in OLD_TOP_LEVEL.finditer(path.read_text()):
             offenders.append(f"{path.relative_to(REPO)}: {match.group(0).strip()}")
@@ -23,8 +24,12 @@ def test_no_module_imports_a_bare_top_level_package():
 
 
 def test_wheel_installs_only_the_plugin_namespace(tmp_path):
+    # Build from a copy: setuptools reuses a stale build/ dir, which would test an old layout.
+    source = tmp_path / "src"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".venv", "runs", "build", ".git", "*.safetensors", "__pycache__", "*.egg-info"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         check=True, capture_output=True, timeout=300,
     )
     (wheel,) = tmp_path.glob("vllm_specplugin-*.whl")
