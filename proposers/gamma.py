@@ -10,8 +10,12 @@ with an exponential moving average and picks γ for the next step:
   :class:`StepCostModel`: the cost of one more draft token for this request (drafting it, plus
   verifying it: the target step grows with the tokens it verifies, which the classic model
   ignores and which dominates on a compute-bound CPU) over the request's share of a step without
-  drafts. A request at γ = 0 is probed with γ = 1 every ``PROBE_EVERY`` steps so that its α
-  stays current.
+  drafts.
+
+In both modes a request at γ = 0 (possible with ``gamma_min`` 0) is probed with γ = 1 every
+``probe_every`` steps, so that its α stays current: γ = 0 means "stop drafting while it does not
+pay", and the probes let the request come back once it pays again. A new request starts from
+α = ``initial_alpha``.
 
 Batch-aware back-off: in a step with more than ``max_batch`` requests nobody drafts (γ = 0),
 because large batches make the target step compute-bound and speculation stops paying.
@@ -30,8 +34,6 @@ from vllm_specplugin.proposers.metrics import accepted_count
 from vllm_specplugin.stats.speedup import optimal_gamma
 
 GAMMA_MODES = ("threshold", "cost_model")
-PROBE_EVERY = 8
-INITIAL_ALPHA = 0.7
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class GammaPolicy:
     ema_weight: float = 0.3  # weight of the newest step in the acceptance average
     max_batch: int | None = None  # back-off: no drafting in steps with more requests than this
     cost_ratio: float | None = None  # c for cost_model; None: measured while serving
+    probe_every: int = 8  # at γ = 0, draft γ = 1 every this many steps to measure α again
+    initial_alpha: float = 0.7  # a new request's acceptance estimate, before any outcome
 
     def __post_init__(self):
         if self.mode not in GAMMA_MODES:
@@ -55,6 +59,10 @@ class GammaPolicy:
             )
         if not 0 < self.ema_weight <= 1:
             raise ValueError(f"ema_weight must be in (0, 1], got {self.ema_weight}")
+        if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
+            raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+        if not 0 <= self.initial_alpha <= 1:
+            raise ValueError(f"initial_alpha must be in [0, 1], got {self.initial_alpha}")
 
 
 class StepCostModel:
@@ -102,8 +110,8 @@ class StepCostModel:
 @dataclass
 class _RequestState:
     gamma: int
-    alpha: float = INITIAL_ALPHA
-    steps_at_zero: int = 0
+    alpha: float
+    steps_at_zero: int = 0  # consecutive steps chosen at γ = 0 (probes included)
     pending: tuple[int, list[int]] | None = None  # (context length, drafted tokens) of the last draft
 
 
@@ -167,7 +175,7 @@ class AdaptiveGamma(Proposer):
     def _observe(self, request: DraftRequest) -> None:
         state = self._states.get(request.request_id)
         if state is None:
-            self._states[request.request_id] = _RequestState(gamma=request.gamma)
+            self._states[request.request_id] = _RequestState(gamma=request.gamma, alpha=self.policy.initial_alpha)
             return
         if state.pending is None:
             return
@@ -185,21 +193,24 @@ class AdaptiveGamma(Proposer):
         state = self._states[request.request_id]
         gamma_max = request.gamma
         policy = self.policy
+        floor = min(policy.gamma_min, gamma_max)
         if policy.mode == "threshold":
             if state.alpha > policy.raise_above:
                 state.gamma += 1
             elif state.alpha < policy.lower_below:
                 state.gamma -= 1
-            state.gamma = max(min(policy.gamma_min, gamma_max), min(state.gamma, gamma_max))
+            state.gamma = max(floor, min(state.gamma, gamma_max))
+        else:
+            cost = self._cost_ratio if self._cost_ratio is not None else 0.1  # until steps are measured
+            best = optimal_gamma(min(state.alpha, 0.999), cost, gamma_max) if gamma_max >= 1 else 0
+            state.gamma = max(floor, best)
+        if state.gamma > 0:
+            state.steps_at_zero = 0
             return state.gamma
-        cost = self._cost_ratio if self._cost_ratio is not None else 0.1  # until steps are measured
-        best = optimal_gamma(min(state.alpha, 0.999), cost, gamma_max) if gamma_max >= 1 else 0
-        state.gamma = max(min(policy.gamma_min, gamma_max), best)
-        if state.gamma == 0:
-            state.steps_at_zero += 1
-            if state.steps_at_zero % PROBE_EVERY == 0:
-                return min(1, gamma_max)  # a probe keeps alpha current
-        return state.gamma
+        state.steps_at_zero += 1
+        if state.steps_at_zero % policy.probe_every == 0:
+            return min(1, gamma_max)  # a probe keeps alpha current (γ itself stays 0 until α says so)
+        return 0
 
     @property
     def cost_ratio(self) -> float | None:

@@ -53,6 +53,16 @@ def test_adaptive_gamma_config():
     assert SpecPluginConfig.from_dict({"adaptive_gamma": True}).gamma_policy().mode == "threshold"
 
 
+def test_adaptive_gamma_probe_and_initial_alpha_keys():
+    defaults = SpecPluginConfig.from_dict({"adaptive_gamma": True}).gamma_policy()
+    assert (defaults.probe_every, defaults.initial_alpha) == (8, 0.7)
+    policy = SpecPluginConfig.from_dict(
+        {"adaptive_gamma": {"gamma_min": 0, "probe_every": 3, "initial_alpha": 1}}
+    ).gamma_policy()
+    assert (policy.gamma_min, policy.probe_every, policy.initial_alpha) == (0, 3, 1.0)
+    assert isinstance(policy.initial_alpha, float)
+
+
 def test_json_string_is_accepted():
     config = SpecPluginConfig.from_additional_config('{"specplugin": {"cpu_sampler_repair": "on"}}')
     assert config.cpu_sampler_repair == "on"
@@ -84,6 +94,18 @@ MALFORMED = [
     ("adaptive gamma negative min", {"specplugin": {"adaptive_gamma": {"gamma_min": -1}}}, "adaptive_gamma"),
     ("adaptive gamma max_batch 0", {"specplugin": {"adaptive_gamma": {"max_batch": 0}}}, "adaptive_gamma.max_batch"),
     ("adaptive gamma ema string", {"specplugin": {"adaptive_gamma": {"ema_weight": "0.3"}}}, "adaptive_gamma.ema_weight"),
+    ("adaptive gamma probe_every 0",
+     {"specplugin": {"adaptive_gamma": {"probe_every": 0}}}, "adaptive_gamma.probe_every"),
+    ("adaptive gamma probe_every float",
+     {"specplugin": {"adaptive_gamma": {"probe_every": 2.5}}}, "adaptive_gamma.probe_every"),
+    ("adaptive gamma probe_every bool",
+     {"specplugin": {"adaptive_gamma": {"probe_every": True}}}, "adaptive_gamma.probe_every"),
+    ("adaptive gamma initial_alpha above 1",
+     {"specplugin": {"adaptive_gamma": {"initial_alpha": 1.2}}}, "adaptive_gamma.initial_alpha"),
+    ("adaptive gamma initial_alpha negative",
+     {"specplugin": {"adaptive_gamma": {"initial_alpha": -0.1}}}, "adaptive_gamma.initial_alpha"),
+    ("adaptive gamma initial_alpha nan",
+     {"specplugin": {"adaptive_gamma": {"initial_alpha": float("nan")}}}, "adaptive_gamma.initial_alpha"),
     ("prefix sharing not a bool", {"specplugin": {"prefix_sharing": "on"}}, "prefix_sharing"),
     ("prefix block size zero", {"specplugin": {"prefix_block_size": 0}}, "prefix_block_size"),
     ("tree not an object", {"specplugin": {"tree_drafting": "big"}}, "tree_drafting"),
@@ -99,6 +121,8 @@ def test_malformed_config_names_the_field(case, raw, field):
         SpecPluginConfig.from_additional_config(raw)
     assert info.value.field == field
     assert f"'{field}'" in str(info.value)
+    if "unknown" not in case:  # a known key with a bad value is not reported as an unknown key
+        assert "unknown key" not in str(info.value)
 
 
 def test_too_many_drafts(draft_dirs):

@@ -10,7 +10,7 @@ import pytest
 from vllm_specplugin.proposers.base import DraftRequest
 from vllm_specplugin.proposers.draft_runtime import DraftRuntime
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
-from vllm_specplugin.proposers.gamma import PROBE_EVERY, AdaptiveGamma, GammaPolicy
+from vllm_specplugin.proposers.gamma import AdaptiveGamma, GammaPolicy
 from vllm_specplugin.verification.drivers import REPO_ROOT
 
 DRAFT = os.path.join(REPO_ROOT, "models", "demo", "draft-tiny")
@@ -58,9 +58,11 @@ def test_cost_model_rule_matches_the_speedup_formula(runtime):
     state = proposer._states["c"]
     speedups = [float(expected_speedup(min(state.alpha, 0.999), g, 0.2)) for g in range(1, 9)]
     assert proposer.gamma_of("c") == 1 + int(np.argmax(speedups))
-    # Always rejected: speculation does not pay, gamma 0, with a probe every PROBE_EVERY steps.
-    lengths = [step(proposer, contexts, 8, accept=False)["c"] for _ in range(4 * PROBE_EVERY)]
-    assert lengths[-PROBE_EVERY:].count(0) == PROBE_EVERY - 1 and lengths[-PROBE_EVERY:].count(1) == 1
+    # Always rejected: speculation does not pay, gamma 0, with a probe every probe_every steps.
+    every = proposer.policy.probe_every
+    assert every == 8  # the default
+    lengths = [step(proposer, contexts, 8, accept=False)["c"] for _ in range(4 * every)]
+    assert lengths[-every:].count(0) == every - 1 and lengths[-every:].count(1) == 1
 
 
 def test_large_batches_back_off_to_no_drafting(runtime):
@@ -82,6 +84,20 @@ def test_policy_rejects_impossible_settings():
         GammaPolicy(raise_above=0.5, lower_below=0.6)
     with pytest.raises(ValueError, match="gamma_min"):
         GammaPolicy(gamma_min=-1)
+    with pytest.raises(ValueError, match="probe_every"):
+        GammaPolicy(probe_every=0)
+    with pytest.raises(ValueError, match="initial_alpha"):
+        GammaPolicy(initial_alpha=1.5)
+
+
+def test_initial_alpha_is_the_new_request_estimate(runtime):
+    """A new request starts from initial_alpha: the rule acts on it at the first step."""
+    drafted = {}
+    for initial in (0.7, 0.1):  # default: γ stays at the budget; below lower_below: γ − 1 at once
+        proposer = AdaptiveGamma(EnsembleProposer([runtime]), GammaPolicy(initial_alpha=initial))
+        drafted[initial] = step(proposer, {"a": [11, 12, 13, 14]}, 4, accept=True)["a"]
+        assert proposer._states["a"].alpha == initial  # no outcome seen yet
+    assert drafted == {0.7: 4, 0.1: 3}
 
 
 def test_step_cost_model_recovers_verification_and_draft_costs():
@@ -102,3 +118,18 @@ def test_step_cost_model_recovers_verification_and_draft_costs():
     from vllm_specplugin.stats.speedup import optimal_gamma
 
     assert optimal_gamma(0.25, model.cost_ratio(batch), 5) == 0 < optimal_gamma(0.6, model.cost_ratio(batch), 5)
+
+
+def test_threshold_mode_at_gamma_zero_probes_and_comes_back(runtime):
+    """gamma_min 0 means "stop drafting when it does not pay, come back when it does": at γ = 0 a
+    request still drafts γ = 1 every probe_every steps, so α recovers and γ rises again."""
+    policy = GammaPolicy(gamma_min=0, probe_every=4)
+    proposer = AdaptiveGamma(EnsembleProposer([runtime]), policy)
+    contexts = {"z": np.random.default_rng(4).integers(3, 4096, 20).tolist()}
+    rejected = [step(proposer, contexts, 6, accept=False)["z"] for _ in range(40)]
+    assert proposer.gamma_of("z") == 0
+    # At γ = 0, exactly one probe of one token every probe_every steps.
+    assert rejected[-8:].count(1) == 2 and rejected[-8:].count(0) == 6, rejected
+    recovered = [step(proposer, contexts, 6, accept=True)["z"] for _ in range(60)]
+    assert proposer.gamma_of("z") == 6, recovered  # back up to the request's budget
+    assert recovered[-1] == 6

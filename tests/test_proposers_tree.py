@@ -248,3 +248,41 @@ def test_outcomes_are_read_from_the_next_context(drafts):
 def test_tree_proposer_rejects_bad_settings(drafts):
     with pytest.raises(ValueError, match="node_budget"):
         TreeProposer(EnsembleProposer([drafts["draft-tiny"]]), node_budget=0)
+
+
+class _PublicOnly:
+    """Forwards public attributes only: touching a private one (``_pending``, a runtime's caches)
+    raises. Lists of objects (the ensemble's ``runtimes``) are wrapped item by item."""
+
+    def __init__(self, target):
+        object.__setattr__(self, "_target", target)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(f"private attribute {name!r} used through the public API")
+        value = getattr(object.__getattribute__(self, "_target"), name)
+        if isinstance(value, list) and value and hasattr(value[0], "open_batch"):
+            return [_PublicOnly(v) for v in value]
+        return value
+
+
+def test_tree_proposer_uses_only_public_ensemble_api_and_draws_nothing(drafts):
+    """TreeProposer drives the ensemble through its public API only, and its path is a function of
+    the draft distributions: no random draw (which is why one-hot q is exact for verification)."""
+    requests = [
+        DraftRequest("p", context(30, seed=11), 4, TOP_K_50, torch.Generator().manual_seed(0)),
+        DraftRequest("q", context(18, seed=12), 3, SamplingParams(temperature=0.8, top_p=0.9)),
+    ]
+    plain = TreeProposer(EnsembleProposer([drafts["draft-tiny"]]), node_budget=8, branching=2)
+    expected = [d.token_ids for d in plain.propose(requests)]
+    wrapped = TreeProposer(_PublicOnly(EnsembleProposer([drafts["draft-tiny"]])), node_budget=8, branching=2)
+    global_rng = torch.get_rng_state()
+    request_rng = requests[0].generator.get_state()
+    got = [d.token_ids for d in wrapped.propose(requests)]
+    assert got == expected and all(got)
+    assert torch.equal(torch.get_rng_state(), global_rng)
+    assert torch.equal(requests[0].generator.get_state(), request_rng)
+    for request in requests:
+        wrapped.free(request.request_id)
+        plain.free(request.request_id)
+    assert not {"p", "q"} & (wrapped.tracked_request_ids() | plain.tracked_request_ids())

@@ -51,7 +51,8 @@ class SpecPluginConfig:
     runner_shim: bool = True
     # Adaptive γ (proposers/gamma.py): null for a fixed γ = num_speculative_tokens, or an object
     # with any of mode ("threshold" | "cost_model"), gamma_min, raise_above, lower_below,
-    # ema_weight, max_batch (no drafting above this batch size), cost_ratio (c; null: measured).
+    # ema_weight, max_batch (no drafting above this batch size), cost_ratio (c; null: measured),
+    # probe_every (at γ = 0, draft γ = 1 every this many steps; 8), initial_alpha (0.7).
     adaptive_gamma: dict | None = None
     # Tree drafting (proposers/tree.py): null, or an object with node_budget (16) and branching
     # (3). The path with the highest expected accepted length is verified as a chain.
@@ -132,6 +133,7 @@ def _choice(raw: Mapping, field: str, choices: tuple[str, ...]) -> str:
 _GAMMA_FIELDS = {
     "mode": str, "gamma_min": int, "raise_above": float, "lower_below": float,
     "ema_weight": float, "max_batch": int, "cost_ratio": float,
+    "probe_every": int, "initial_alpha": float,
 }
 
 
@@ -155,10 +157,12 @@ def _gamma_policy(value: Any) -> dict:
             raise SpecPluginConfigError(field, f"expected {kind.__name__}, got {item!r}")
         if kind is float and not math.isfinite(item):
             raise SpecPluginConfigError(field, f"must be finite, got {item!r}")
-        if key in ("max_batch",) and item < 1:
+        if key in ("max_batch", "probe_every") and item < 1:
             raise SpecPluginConfigError(field, f"must be >= 1, got {item}")
         if key == "cost_ratio" and item < 0:
             raise SpecPluginConfigError(field, f"must be >= 0, got {item}")
+        if key == "initial_alpha" and not 0 <= item <= 1:
+            raise SpecPluginConfigError(field, f"must be in [0, 1], got {item}")
         out[key] = float(item) if kind is float else item
     try:
         GammaPolicy(**out)
