@@ -45,6 +45,12 @@ class DraftMetrics:
     agreement: dict[str, int] = field(default_factory=dict)
     verified_positions: dict[str, int] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
+    # Health of drafting as a whole (kept by the vLLM adapter, vllm_specplugin/adapters.py).
+    draft_failures: int = 0  # steps whose drafting raised (each decoded without drafts)
+    drafting_disabled: int = 0  # 1 once repeated consecutive failures switched drafting off
+    nonfinite_draft_rows: int = 0  # drafts dropped because q was NaN/inf/negative/not normalised
+    draft_cache_evictions: int = 0  # per-request draft KV caches evicted by the memory budget
+    draft_probs_buffer_bytes: int = 0  # the preallocated q buffer handed to vLLM (0: none)
 
     def __post_init__(self):
         for name in self.draft_names:
@@ -99,6 +105,11 @@ class DraftMetrics:
             "agreement": dict(self.agreement),
             "verified_positions": dict(self.verified_positions),
             "weights": dict(self.weights),
+            "draft_failures": self.draft_failures,
+            "drafting_disabled": self.drafting_disabled,
+            "nonfinite_draft_rows": self.nonfinite_draft_rows,
+            "draft_cache_evictions": self.draft_cache_evictions,
+            "draft_probs_buffer_bytes": self.draft_probs_buffer_bytes,
         }
 
     def summary(self) -> str:

@@ -2,8 +2,19 @@
 
 vLLM constructs ``Class(vllm_config)`` inside the worker and calls, at every step,
 ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)``.
-Row i's context is ``token_ids_cpu[i, :num_tokens_no_spec[i]]`` (this step's sampled tokens
-included); an empty ``sampled_token_ids[i]`` means row i is not decoding this step.
+
+The vLLM boundary, as vLLM 0.32's runner passes it (``GPUModelRunner.propose_draft_token_ids``):
+
+- ``sampled_token_ids``: ``list[list[int]]``, one list per batch row (``len == num_reqs``); the
+  tokens sampled for that row this step. Empty: the row is not decoding this step (a prefill
+  chunk, or a request resumed without output) and gets no draft.
+- ``num_tokens_no_spec``: numpy int32 ``[max_num_reqs]`` (only ``[:num_reqs]`` is meaningful).
+- ``token_ids_cpu``: numpy int32 ``[max_num_reqs, max_model_len]``; row i's context is
+  ``token_ids_cpu[i, :num_tokens_no_spec[i]]``, this step's sampled tokens included.
+- Returned: ``list[list[int]]`` of ``num_reqs`` lists, each at most ``num_speculative_tokens``
+  long (shorter or empty is allowed), token ids in ``[0, vocab)``.
+
+With the runner shim, ``take_last_draft_probs()`` returns q (see :class:`MultiDraftProposer`).
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ import numpy as np
 
 from vllm_specplugin.config import SpecPluginConfig
 from vllm_specplugin.logging_utils import get_logger
+from vllm_specplugin.proposers.base import Proposer
 
 logger = get_logger()
 
@@ -66,9 +78,28 @@ class MultiDraftProposer(_CustomClassAdapter):
 
     Configured from ``additional_config["specplugin"]``: ``drafts``, ``draft_weights``,
     ``draft_dtype``, ``draft_memory_budget_mb``, ``adapt_draft_weights``, and the strategies
-    ``adaptive_gamma``, ``tree_drafting``, ``prefix_sharing``. With the runner shim
-    (default) requests are keyed by id, sampled with their own temperature/top-k/top-p and
-    verified against q; without it they are keyed by batch row and drafted greedily (one-hot).
+    ``adaptive_gamma``, ``tree_drafting``, ``prefix_sharing``.
+
+    With the runner shim (default) requests are keyed by id, sampled with their own
+    temperature/top-k/top-p and verified against q, which :meth:`take_last_draft_probs` hands
+    to the shim as a view ``[num_reqs, k, V]`` float32 on the runner's device (V: the target's
+    vocabulary, ``model_config.get_vocab_size()``, the width of vLLM's logits) of one buffer
+    ``[max_num_seqs, k, V]`` allocated at start-up: ``max_num_seqs × k × V × 4`` bytes (logged
+    and exported as ``specplugin:draft_probs_buffer_bytes``). Row i holds the q of row i's
+    draft at positions ``[:len(draft_i)]`` and zeros past them; vLLM reads only
+    ``[row, :num_draft]`` (``GPUModelRunner._get_spec_decode_draft_probs``). One buffer is enough:
+    vLLM consumes q at the next step's sampling, copying the rows it needs with ``torch.cat``,
+    before it calls ``propose`` again (checked in ``vllm_specplugin/compat.py``).
+
+    Without the shim requests are keyed by batch row and drafted greedily (verified as one-hot,
+    which is exact); a row keeps its draft state only while its context continues the one it was
+    drafted from (see :meth:`_row_key`).
+
+    Faults never stop serving: a step whose drafting raises decodes without drafts (no token
+    lost); after ``MAX_CONSECUTIVE_DRAFT_FAILURES`` failing steps in a row drafting is switched
+    off with one error in the log and ``specplugin:drafting_disabled`` = 1. A draft whose q is
+    not a probability distribution (NaN, inf, negative, not summing to 1) or whose tokens are
+    out of range is dropped for its row and counted (``specplugin:nonfinite_draft_rows_total``).
     """
 
     def __init__(self, vllm_config):
@@ -90,12 +121,14 @@ class MultiDraftProposer(_CustomClassAdapter):
         device = torch.device(vllm_config.device_config.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        self.target_vocab_size = int(model_config.get_vocab_size())
         budget = self.config.draft_memory_budget_mb / len(self.config.drafts)
         runtimes = [
             DraftRuntime(
                 path,
-                target_vocab_size=model_config.get_vocab_size(),
+                target_vocab_size=self.target_vocab_size,
                 target_name=str(model_config.model),
+                target_path=str(model_config.model),
                 dtype=self.config.draft_dtype,
                 device=str(device),
                 memory_budget_mb=budget,
@@ -104,33 +137,63 @@ class MultiDraftProposer(_CustomClassAdapter):
             )
             for path in self.config.drafts
         ]
-        self.ensemble = EnsembleProposer(
+        ensemble = EnsembleProposer(
             runtimes, self.config.draft_weights, adapt_weights=self.config.adapt_draft_weights
         )
         self.gamma_policy = self.config.gamma_policy()
-        self.proposer = self.ensemble
+        proposer: Proposer = ensemble
         if self.config.tree_drafting is not None:
-            self.proposer = TreeProposer(self.ensemble, **self.config.tree_drafting)
+            proposer = TreeProposer(ensemble, **self.config.tree_drafting)
         if self.gamma_policy is not None:
-            self.proposer = AdaptiveGamma(self.proposer, self.gamma_policy)
+            proposer = AdaptiveGamma(proposer, self.gamma_policy)
+        if proposer.vocab_size > self.target_vocab_size:
+            raise SpecPluginConfigError(
+                "drafts", f"the drafts' vocabulary ({proposer.vocab_size}) is larger than the target's "
+                f"({self.target_vocab_size})",
+            )
+        # From here on the adapter uses only the Proposer interface (propose, free,
+        # tracked_request_ids, empty_draft, vocab_size), the metrics object and the runtimes'
+        # eviction counters.
+        self.proposer = proposer
+        self.metrics = ensemble.metrics
+        self._runtimes = runtimes
         self.device = device
         self._batch_view = None
         self._last_probs = None
         self._generators: dict[str, object] = {}
         self._warned_no_shim = False
-        self.draft_failures = 0
+        self._row_contexts: dict[int, list[int]] = {}  # shim off: the context each row-key drafted from
+        self.consecutive_failures = 0
+        self.drafting_disabled = False
+        # The q buffer handed to vLLM (shim on): allocated once, before vLLM profiles memory, so
+        # that on CUDA its bytes come out of what --gpu-memory-utilization leaves for the KV cache.
+        self._q_buffer = None
+        self._q_rows_dirty = 0  # rows [:n] of the buffer may hold last step's q
+        if self.config.runner_shim:
+            max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+            self._q_buffer = torch.zeros(
+                max_num_seqs, self.num_speculative_tokens, self.target_vocab_size, dtype=torch.float32, device=device
+            )
+        self.metrics.draft_probs_buffer_bytes = self.q_buffer_bytes
         label = "ensemble" if len(runtimes) > 1 else "draft"
-        self.publisher = MetricsPublisher(self.ensemble.metrics, f"{label}[{', '.join(self.ensemble.names)}]")
+        self.publisher = MetricsPublisher(self.metrics, f"{label}[{', '.join(ensemble.names)}]")
         logger.info(
             "specplugin %s proposer: drafts %s, weights %s, k=%d, %s, %s, prefix sharing %s, dtype %s, "
-            "memory budget %d MiB",
-            label, list(self.config.drafts), [round(w, 3) for w in self.ensemble.weights.tolist()],
+            "memory budget %d MiB, draft-probability buffer %s",
+            label, list(self.config.drafts), [round(w, 3) for w in ensemble.weights.tolist()],
             self.num_speculative_tokens,
             "fixed gamma" if self.gamma_policy is None else f"adaptive gamma {self.gamma_policy}",
             "chain drafting" if self.config.tree_drafting is None else f"tree drafting {self.config.tree_drafting}",
             "on" if self.config.prefix_sharing else "off",
             self.config.draft_dtype, self.config.draft_memory_budget_mb,
+            "none (runner shim off)" if self._q_buffer is None else
+            f"{list(self._q_buffer.shape)} float32 on {device} = {self.q_buffer_bytes / 2**20:.1f} MiB",
         )
+
+    @property
+    def q_buffer_bytes(self) -> int:
+        """Bytes of the preallocated q buffer: max_num_seqs × k × V × 4 (0 with the shim off)."""
+        return 0 if self._q_buffer is None else self._q_buffer.numel() * self._q_buffer.element_size()
 
     # -- runner shim hooks -----------------------------------------------------------------
 
@@ -138,6 +201,14 @@ class MultiDraftProposer(_CustomClassAdapter):
         self._batch_view = view
 
     def take_last_draft_probs(self):
+        """q of the last :meth:`propose`, or None (no view given, nothing drafted, or drafting failed).
+
+        A ``torch.Tensor`` ``[num_reqs, k, V]`` float32 on the runner's device: row i, position j
+        is the distribution row i's j-th draft token was drawn from; positions at and past a
+        row's draft length are zero (rows without a draft are all zero). It is a view of a
+        buffer reused by the next :meth:`propose`, so it is valid until then; vLLM reads it at the
+        next step's sampling, which comes first.
+        """
         probs, self._last_probs = self._last_probs, None
         return probs
 
@@ -150,62 +221,215 @@ class MultiDraftProposer(_CustomClassAdapter):
         token_ids_cpu: np.ndarray,
         slot_mappings=None,
     ) -> list[list[int]]:
-        import torch
-
-        from vllm_specplugin.proposers.base import GREEDY, DraftRequest
-
         view, self._batch_view = self._batch_view, None
         self._last_probs = None
+        num_rows = len(sampled_token_ids)
+        if self.drafting_disabled:
+            return [[] for _ in range(num_rows)]
         if view is None and not self._warned_no_shim:
             self._warned_no_shim = True
             logger.warning(
                 "specplugin: runner shim inactive; drafting greedily per batch row and vLLM verifies "
                 "the drafts as one-hot (exact, with lower acceptance at temperature > 0)."
             )
+        step_ids: list[str] = []
+        try:
+            output, probs = self._draft_step(view, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, step_ids)
+        except Exception as exc:
+            self._on_failure(exc, step_ids)
+            return [[] for _ in range(num_rows)]
+        self.consecutive_failures = 0
+        self._last_probs = probs
+        return output
+
+    def _draft_step(self, view, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, step_ids: list[str]):
+        """One step's drafting: (drafts per row, q view or None). ``step_ids`` collects the request
+        ids handed to the proposer, so that a failure can drop exactly their state."""
+        from vllm_specplugin.proposers.base import GREEDY, DraftRequest
+
+        num_rows = len(sampled_token_ids)
         rows: list[int] = []
         requests: list[DraftRequest] = []
         for row, num_tokens, room in self._drafting_rows(sampled_token_ids, num_tokens_no_spec):
             context = token_ids_cpu[row, :num_tokens].tolist()
             if view is None:
-                requests.append(DraftRequest(f"row-{row}", context, room, GREEDY))
+                rid = self._row_key(row, context)
+                requests.append(DraftRequest(rid, context, room, GREEDY))
             else:
                 rid = view.req_ids[row]
                 requests.append(DraftRequest(rid, context, room, view.params[row], self._generator(rid, view.seeds[row])))
+            step_ids.append(rid)
             rows.append(row)
-        drafts = self._propose_or_fall_back(requests)
-        output: list[list[int]] = [[] for _ in sampled_token_ids]
-        for row, draft in zip(rows, drafts):
-            output[row] = draft.token_ids
-        if view is not None:
-            probs = torch.zeros(
-                len(sampled_token_ids), self.num_speculative_tokens, self.proposer.vocab_size,
-                dtype=torch.float32, device=self.device,
-            )
-            for row, draft in zip(rows, drafts):
-                if draft.token_ids:
-                    probs[row, : len(draft.token_ids)] = draft.probs
-            self._last_probs = probs
+        drafts = self.proposer.propose(requests)
+        if len(drafts) != len(requests):
+            raise RuntimeError(f"the proposer returned {len(drafts)} drafts for {len(requests)} requests")
+        output: list[list[int]] = [[] for _ in range(num_rows)]
+        probs = None
+        if view is None:
+            valid = self._valid_drafts(drafts)
+            for row, draft, ok in zip(rows, drafts, valid):
+                if ok:
+                    output[row] = list(draft.token_ids)
+            self._drop_invalid(rows, requests, drafts, valid)
+            self._forget_rows_beyond(num_rows)
+        else:
+            probs, valid = self._fill_q(num_rows, rows, drafts)
+            for row, draft, ok in zip(rows, drafts, valid):
+                if ok:
+                    output[row] = list(draft.token_ids)
+            self._drop_invalid(rows, requests, drafts, valid)
+            if not any(output):
+                probs = None
             self._forget_finished(view.live_request_ids)
-        return output
+        self.metrics.draft_cache_evictions = sum(int(getattr(rt, "evictions", 0)) for rt in self._runtimes)
+        return output, probs
 
-    def _propose_or_fall_back(self, requests):
-        """Drafting must never take the engine down: on an error this step drafts nothing (plain
-        decoding, no token lost), the affected requests' draft state is dropped, and the log says so."""
-        try:
-            return self.proposer.propose(requests)
-        except Exception:
-            self.draft_failures += 1
-            if self.draft_failures == 1 or self.draft_failures % 100 == 0:
-                logger.exception(
-                    "specplugin: drafting failed (%d time(s) so far); this step decodes without drafts",
-                    self.draft_failures,
+    # -- q handed to vLLM ------------------------------------------------------------------
+
+    def _fill_q(self, num_rows: int, rows: list[int], drafts):
+        """Write each draft's q into the buffer's rows [:num_rows]; (that view, per draft: valid?)."""
+        import torch
+
+        k, vocab = self.num_speculative_tokens, self.target_vocab_size
+        if self._q_buffer is None or num_rows > self._q_buffer.shape[0]:
+            # vLLM never runs more than max_num_seqs rows; should it, grow rather than fail.
+            logger.warning(
+                "specplugin: %d batch rows exceed the draft-probability buffer (%s); reallocating",
+                num_rows, None if self._q_buffer is None else self._q_buffer.shape[0],
+            )
+            self._q_buffer = torch.zeros(num_rows, k, vocab, dtype=torch.float32, device=self.device)
+            self._q_rows_dirty = 0
+            self.metrics.draft_probs_buffer_bytes = self.q_buffer_bytes
+        buffer = self._q_buffer
+        if self._q_rows_dirty:
+            buffer[: self._q_rows_dirty].zero_()  # last step's q was consumed by vLLM's sampler
+            self._q_rows_dirty = 0
+        q = buffer[:num_rows]
+        tokens = torch.zeros(num_rows, k, dtype=torch.long)
+        positions = torch.zeros(num_rows, k, dtype=torch.bool)
+        valid = [self._shape_ok(draft) for draft in drafts]
+        for i, (row, draft) in enumerate(zip(rows, drafts)):
+            n = len(draft.token_ids)
+            if n == 0 or not valid[i]:
+                continue
+            self._q_rows_dirty = max(self._q_rows_dirty, row + 1)
+            q[row, :n, : draft.probs.shape[-1]].copy_(draft.probs)
+            tokens[row, :n] = torch.tensor(draft.token_ids, dtype=torch.long)
+            positions[row, :n] = True
+        written = self._q_rows_dirty  # rows past it hold no draft: nothing to check there
+        if written:
+            bad_rows = _invalid_rows(q[:written], tokens[:written].to(q.device), positions[:written].to(q.device)).tolist()
+            for i, row in enumerate(rows):
+                if valid[i] and row < written and bad_rows[row]:
+                    valid[i] = False
+                    q[row].zero_()
+        return q, valid
+
+    def _shape_ok(self, draft) -> bool:
+        """The draft's q is [len(tokens), V'] with V' <= V, and its tokens are in [0, V')."""
+        n = len(draft.token_ids)
+        if n == 0:
+            return True
+        probs = draft.probs
+        return (
+            n <= self.num_speculative_tokens
+            and probs.ndim == 2 and probs.shape[0] == n and 0 < probs.shape[1] <= self.target_vocab_size
+            and all(0 <= int(t) < probs.shape[1] for t in draft.token_ids)
+        )
+
+    def _valid_drafts(self, drafts) -> list[bool]:
+        """Shim off: the same checks as :meth:`_fill_q`, on the drafts' own q (one pass)."""
+        import torch
+
+        valid = [self._shape_ok(draft) for draft in drafts]
+        checked = [i for i, draft in enumerate(drafts) if valid[i] and draft.token_ids]
+        if not checked:
+            return valid
+        k = max(len(drafts[i].token_ids) for i in checked)
+        width = max(drafts[i].probs.shape[-1] for i in checked)
+        device = drafts[checked[0]].probs.device
+        q = torch.zeros(len(checked), k, width, dtype=torch.float32, device=device)
+        tokens = torch.zeros(len(checked), k, dtype=torch.long)
+        positions = torch.zeros(len(checked), k, dtype=torch.bool)
+        for j, i in enumerate(checked):
+            n = len(drafts[i].token_ids)
+            q[j, :n, : drafts[i].probs.shape[-1]] = drafts[i].probs
+            tokens[j, :n] = torch.tensor(drafts[i].token_ids, dtype=torch.long)
+            positions[j, :n] = True
+        for j, bad in enumerate(_invalid_rows(q, tokens.to(device), positions.to(device)).tolist()):
+            if bad:
+                valid[checked[j]] = False
+        return valid
+
+    def _drop_invalid(self, rows, requests, drafts, valid) -> None:
+        """Count and log each dropped draft, and free its request's state (its draft KV may hold
+        the same NaN; the next step starts it afresh)."""
+        for row, request, draft, ok in zip(rows, requests, drafts, valid):
+            if ok:
+                continue
+            self.metrics.nonfinite_draft_rows += 1
+            count = self.metrics.nonfinite_draft_rows
+            if count <= 10 or count % 100 == 0:
+                logger.warning(
+                    "specplugin: dropped the draft of request %s (batch row %d): its q is not a probability "
+                    "distribution (NaN, inf, negative or not summing to 1) or a token is out of range; the row "
+                    "decodes without a draft this step (%d such drafts so far, specplugin:nonfinite_draft_rows_total)",
+                    request.request_id, row, count,
                 )
-            for request in requests:
-                try:
-                    self.proposer.free(request.request_id)
-                except Exception:
-                    pass
-            return [self.proposer.empty_draft() for _ in requests]
+            self._free_logged(request.request_id)
+
+    # -- failures --------------------------------------------------------------------------
+
+    def _on_failure(self, exc: BaseException, step_ids: list[str]) -> None:
+        """This step drafts nothing (plain decoding, no token lost); the step's requests' draft
+        state is dropped (it may be half-updated); repeated failures switch drafting off."""
+        self.metrics.draft_failures += 1
+        self.consecutive_failures += 1
+        for request_id in step_ids:
+            self._free_logged(request_id)
+        if self.consecutive_failures >= MAX_CONSECUTIVE_DRAFT_FAILURES:
+            self._disable(exc)
+            return
+        failures = self.metrics.draft_failures
+        if failures <= 10 or failures % 100 == 0:  # the traceback the first time, one line after
+            logger.warning(
+                "specplugin: drafting failed (%d time(s) so far, %d in a row; drafting is switched off at %d "
+                "in a row); this step decodes without drafts: %r",
+                failures, self.consecutive_failures, MAX_CONSECUTIVE_DRAFT_FAILURES, exc,
+                exc_info=(type(exc), exc, exc.__traceback__) if failures == 1 else None,
+            )
+
+    def _disable(self, exc: BaseException) -> None:
+        self.drafting_disabled = True
+        self.metrics.drafting_disabled = 1
+        logger.error(
+            "specplugin: drafting failed in %d consecutive steps; drafting is now DISABLED for this engine "
+            "(specplugin:drafting_disabled = 1). The engine keeps serving with plain decoding; no token is "
+            "lost. Restart the server to draft again. Last error:",
+            self.consecutive_failures, exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        try:
+            tracked = set(self.proposer.tracked_request_ids())
+        except Exception:
+            logger.exception("specplugin: listing the draft state to free failed")
+            tracked = set()
+        for request_id in tracked:
+            self._free_logged(request_id)
+        self._generators.clear()
+        self._row_contexts.clear()
+        self._q_buffer = None  # hand the memory back to the allocator
+        self._q_rows_dirty = 0
+        self.metrics.draft_probs_buffer_bytes = 0
+        self.metrics.tracked_requests = 0
+
+    def _free_logged(self, request_id: str) -> None:
+        """free() that never raises and never hides: an error is logged with its traceback."""
+        try:
+            self.proposer.free(request_id)
+        except Exception:
+            logger.exception("specplugin: freeing the draft state of request %s failed", request_id)
+
+    # -- request identity ------------------------------------------------------------------
 
     def _generator(self, request_id: str, seed: int | None):
         """Seeded requests draft reproducibly from their own stream (vLLM's generator is left alone)."""
@@ -219,9 +443,69 @@ class MultiDraftProposer(_CustomClassAdapter):
             self._generators[request_id] = generator
         return generator
 
+    def _row_key(self, row: int, context: list[int]) -> str:
+        """Shim off: the state key of a batch row, which holds different requests over time.
+
+        Without request ids, identity is inferred from the context: a row keeps its draft state
+        only while its context continues the context it last drafted from (that context is a
+        prefix, and one step adds 1 to k + 1 tokens). Otherwise another request has taken the
+        row (vLLM condenses the batch as requests finish) and the row's state is freed before
+        drafting, so no pending draft, acceptance metric, adaptive weight or γ is scored against
+        another request's tokens. Two requests with identical token histories are
+        indistinguishable; for them the state is the same either way, since drafting without
+        the shim is greedy, a function of the context alone.
+        """
+        key = f"row-{row}"
+        previous = self._row_contexts.get(row)
+        if previous is not None and not (
+            1 <= len(context) - len(previous) <= self.num_speculative_tokens + 1
+            and context[: len(previous)] == previous
+        ):
+            self._free_logged(key)
+        self._row_contexts[row] = context
+        return key
+
+    def _forget_rows_beyond(self, num_rows: int) -> None:
+        """Shim off: rows past the batch hold nobody; any id-keyed state (a shim that went away)
+        has no owner either."""
+        for row in [r for r in self._row_contexts if r >= num_rows]:
+            del self._row_contexts[row]
+        for rid in self.proposer.tracked_request_ids():
+            row = _row_of(rid)
+            if row is None or row >= num_rows:
+                self.proposer.free(rid)
+        self._generators.clear()
+        self.metrics.tracked_requests = len(self.proposer.tracked_request_ids())
+
     def _forget_finished(self, live: frozenset[str]) -> None:
         for rid in self.proposer.tracked_request_ids() - live:
             self.proposer.free(rid)
         for rid in set(self._generators) - live:
             del self._generators[rid]
-        self.ensemble.metrics.tracked_requests = len(self.proposer.tracked_request_ids())
+        self._row_contexts.clear()
+        self.metrics.tracked_requests = len(self.proposer.tracked_request_ids())
+
+
+MAX_CONSECUTIVE_DRAFT_FAILURES = 3  # drafting steps failing in a row before drafting is switched off
+Q_SUM_TOLERANCE = 1e-3  # |Σ q - 1| allowed in a q row handed to vLLM
+
+
+def _invalid_rows(q, tokens, positions):
+    """Rows whose q is not a distribution the drafted token came from, at any drafted position.
+
+    ``q`` [R, k, V'] float32, ``tokens`` [R, k] long (each < V'), ``positions`` [R, k] bool (the
+    drafted positions). A position is valid when min q ≥ 0, |Σ q − 1| ≤ Q_SUM_TOLERANCE and
+    q[token] > 0; NaN fails every comparison and ±inf fails the first or the second, so
+    non-finite rows are caught too. Returns [R] bool, on q's device.
+    """
+    import torch
+
+    ok = (q.amin(-1) >= 0) & ((q.sum(-1) - 1).abs() <= Q_SUM_TOLERANCE)
+    ok &= q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) > 0
+    return (positions & ~ok).any(-1).to("cpu", torch.bool)
+
+
+def _row_of(request_id: str) -> int | None:
+    if request_id.startswith("row-") and request_id[4:].isdigit():
+        return int(request_id[4:])
+    return None

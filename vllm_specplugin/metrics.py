@@ -26,6 +26,7 @@ logger = get_logger()
 METRICS_DIR_ENV = "SPECPLUGIN_METRICS_DIR"
 WRITE_INTERVAL_S = 0.5
 LOG_INTERVAL_S = 10.0
+FAILURE_LOG_INTERVAL_S = 60.0
 
 _collector_registered = False
 
@@ -52,27 +53,44 @@ class MetricsPublisher:
         directory = os.environ.get(METRICS_DIR_ENV)
         self.path = os.path.join(directory, f"worker-{os.getpid()}.json") if directory and os.path.isdir(directory) else None
         self._last_log = time.monotonic()
-        self._last_written_calls = -1
+        self._last_written: dict | None = None  # the last snapshot written, without its time
+        self.flush_failures = 0
+        self._last_failure_log = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specplugin-metrics", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        """Flush every WRITE_INTERVAL_S until closed. Nothing a flush raises ends the thread: a
+        dead publisher would freeze /metrics silently. The first failure is logged with its
+        traceback, later ones at most once per FAILURE_LOG_INTERVAL_S with a count."""
         while not self._stop.wait(WRITE_INTERVAL_S):
-            self.flush()
+            try:
+                self.flush()
+            except Exception:
+                self.flush_failures += 1
+                now = time.monotonic()
+                if self.flush_failures == 1 or now - self._last_failure_log >= FAILURE_LOG_INTERVAL_S:
+                    self._last_failure_log = now
+                    logger.exception(
+                        "specplugin: writing the metrics snapshot failed (%d time(s) so far); retrying in %.1f s",
+                        self.flush_failures, WRITE_INTERVAL_S,
+                    )
 
     def flush(self) -> None:
         metrics = self.metrics
-        if self.path and metrics.propose_calls != self._last_written_calls:
-            self._last_written_calls = metrics.propose_calls
+        if self.path:
             snapshot = dict(metrics.snapshot(), label=self.label)
-            temporary = f"{self.path}.tmp"
-            try:
-                with open(temporary, "w") as f:
-                    json.dump(snapshot, f)
-                os.replace(temporary, self.path)
-            except OSError:
-                self.path = None  # the front end has gone and removed the directory
+            unchanged = {k: v for k, v in snapshot.items() if k != "time"}
+            if unchanged != self._last_written:
+                temporary = f"{self.path}.tmp"
+                try:
+                    with open(temporary, "w") as f:
+                        json.dump(snapshot, f)
+                    os.replace(temporary, self.path)
+                    self._last_written = unchanged
+                except OSError:
+                    self.path = None  # the front end has gone and removed the directory
         now = time.monotonic()
         if now - self._last_log >= LOG_INTERVAL_S and metrics.verify_steps:
             self._last_log = now
@@ -80,7 +98,10 @@ class MetricsPublisher:
 
     def close(self) -> None:
         self._stop.set()
-        self.flush()
+        try:
+            self.flush()
+        except Exception:
+            logger.exception("specplugin: writing the final metrics snapshot failed")
 
 
 def read_snapshots(directory: str | None = None) -> list[dict]:
@@ -120,6 +141,9 @@ class SnapshotCollector:
             ("trees", "Token trees built (tree drafting)."),
             ("tree_expected_best", "Sum over trees of the expected accepted length of the chosen path."),
             ("tree_expected_greedy", "Sum over trees of the expected accepted length of the greedy chain."),
+            ("draft_failures", "Steps whose drafting raised; each decoded without drafts (no token lost)."),
+            ("nonfinite_draft_rows", "Drafts dropped because their q was NaN, infinite, negative or not normalised."),
+            ("draft_cache_evictions", "Per-request draft KV caches evicted by draft_memory_budget_mb (each re-prefills)."),
         ]:
             family = CounterMetricFamily(f"specplugin:{key}", doc)
             family.add_metric([], total(key))
@@ -163,6 +187,18 @@ class SnapshotCollector:
         tracked = GaugeMetricFamily("specplugin:tracked_requests", "Requests whose draft state is held.")
         tracked.add_metric([], total("tracked_requests"))
         yield tracked
+        disabled = GaugeMetricFamily(
+            "specplugin:drafting_disabled",
+            "1 when repeated consecutive drafting failures switched drafting off (plain decoding continues).",
+        )
+        disabled.add_metric([], max((s.get("drafting_disabled", 0) for s in snapshots), default=0))
+        yield disabled
+        buffer_bytes = GaugeMetricFamily(
+            "specplugin:draft_probs_buffer_bytes",
+            "Device memory of the preallocated draft-probability buffer (max_num_seqs x k x vocab x 4 bytes).",
+        )
+        buffer_bytes.add_metric([], total("draft_probs_buffer_bytes"))
+        yield buffer_bytes
         weight = GaugeMetricFamily("specplugin:draft_weight", "Current mixture weight of this draft.", labels=["draft"])
         for s in snapshots:
             for name, count in s.get("agreement", {}).items():

@@ -1,5 +1,6 @@
 """The draft ensemble served over HTTP: concurrent requests all return their full length, and
-the plugin's metrics appear on /metrics next to vLLM's spec-decode counters."""
+the plugin's metrics appear on /metrics next to vLLM's spec-decode counters, its health metrics
+(failures, dropped drafts, evictions, the q buffer's size) among them."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ ENSEMBLES = {
     ),
 }
 CONCURRENT_REQUESTS = 24
+MAX_NUM_SEQS = 32
+K = 3
+VOCAB = 4096
 
 
 @pytest.mark.parametrize("drafts,options", list(ENSEMBLES.values()), ids=list(ENSEMBLES))
@@ -36,9 +40,10 @@ def test_ensemble_serves_concurrent_requests_in_full(drafts, options):
         speculative_config={
             "method": "custom_class",
             "model": "vllm_specplugin.adapters.MultiDraftProposer",
-            "num_speculative_tokens": 3,
+            "num_speculative_tokens": K,
         },
         additional_config={"specplugin": {"drafts": [os.path.join(DEMO, d) for d in drafts], **options}},
+        extra_args=["--max-num-seqs", str(MAX_NUM_SEQS)],
     )
     rng = np.random.default_rng(0)
     jobs = []
@@ -71,6 +76,14 @@ def test_ensemble_serves_concurrent_requests_in_full(drafts, options):
         accepted = metric_total(vllm_counters, "vllm:spec_decode_num_accepted_tokens_total")
         drafted = metric_total(vllm_counters, "vllm:spec_decode_num_draft_tokens_total")
         plugin = server.settled_metrics("specplugin:")
+    with open(server.log_path) as f:
+        log = f.read()
+    # The q buffer was allocated at start-up, and every draft was verified against its q: vLLM
+    # never fell back to one-hot verification for want of a request's draft probabilities.
+    assert f"draft-probability buffer [{MAX_NUM_SEQS}, {K}, {VOCAB}] float32" in log
+    for trouble in ("Missing cached draft probabilities", "runner shim inactive", "drafting failed",
+                    "dropped the draft", "cannot be handed to vLLM", "cannot read the input batch"):
+        assert trouble not in log, trouble
     print({k: v for k, v in plugin.items() if "per_position" not in k})
     assert drafted > 0 and 0 < accepted <= drafted
     own_drafted = metric_total(plugin, "specplugin:drafted_tokens_total")
@@ -93,3 +106,10 @@ def test_ensemble_serves_concurrent_requests_in_full(drafts, options):
     assert positions[0] >= positions[1] >= positions[2]
     assert metric_total(plugin, "specplugin:draft_time_seconds_total") > 0
     assert metric_total(plugin, "specplugin:tracked_requests") <= 1
+    # Health: nothing failed, no draft was dropped, drafting is on; the q buffer is
+    # max_num_seqs x k x V float32, allocated once.
+    assert plugin["specplugin:drafting_disabled"] == 0
+    assert plugin["specplugin:draft_failures_total"] == 0
+    assert plugin["specplugin:nonfinite_draft_rows_total"] == 0
+    assert "specplugin:draft_cache_evictions_total" in plugin
+    assert plugin["specplugin:draft_probs_buffer_bytes"] == MAX_NUM_SEQS * K * VOCAB * 4
