@@ -1,12 +1,20 @@
 """A draft model with per-request KV caches, drafting for a whole batch of requests at once.
 
 Each request keeps its own cache across steps, so a step forwards only the tokens that are new
-since the last one; tokens the target rejected are rolled back by cutting the cache to the
-longest prefix shared with the request's current context. A draft step runs every drafting
-request in one forward: the caches are left-padded into one batch and a 4-D attention mask
-hides the padding (lengths are ragged, so there are holes between a row's cache and its new
-tokens). Caches live within a memory budget with least-recently-used eviction; an evicted
-request just re-prefills next time.
+since the last one; tokens the target rejected are rolled back by moving the cache's length
+back to the longest prefix shared with the request's current context.
+
+A request's keys and values live in one preallocated buffer [layers, 2, kv_heads, capacity,
+head_dim] that grows in chunks (``kv_chunk_tokens``, then by half its size), so a step writes
+its new tokens in place and never copies a whole cache. A draft step runs every drafting
+request in one forward: the new tokens of all rows are packed into one sequence for the matrix
+products, and each row's attention reads its own buffer where it lies (proposers/lean_llama.py).
+Drafts that the lean forward does not cover go through transformers, which needs one padded
+batch: their caches are gathered into it for each forward (a copy, for those drafts only).
+
+Caches live within a memory budget (their capacity, plus the prefix tree and whatever a
+proposer reserves per request with :meth:`DraftRuntime.set_resident_bytes`) with
+least-recently-used eviction; an evicted request just re-prefills next time.
 """
 
 from __future__ import annotations
@@ -20,17 +28,17 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_specplugin.proposers.base import Draft  # noqa: F401  (re-exported)
-from vllm_specplugin.proposers.lean_llama import LeanLlama
-from vllm_specplugin.proposers.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache, kv_nbytes
+from vllm_specplugin.proposers.lean_llama import LeanLlama, RowAttention
+from vllm_specplugin.proposers.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# A row with more new tokens than this (a fresh prompt, a re-prefill after eviction) is forwarded
-# on its own first, so that one long prompt does not pad every other row of the batch.
+# Defaults of the DraftRuntime parameters of the same names (documented there).
 SOLO_PREFILL_THRESHOLD = 16
+KV_CHUNK_TOKENS = 256
 
 
 class DraftModelError(ValueError):
@@ -39,23 +47,94 @@ class DraftModelError(ValueError):
 
 @dataclass
 class _RequestCache:
-    cached_tokens: list[int] = field(default_factory=list)  # tokens whose K/V are in `layers`
-    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # [heads, len, dim]
-    nbytes: int = 0
+    cached_tokens: list[int] = field(default_factory=list)  # tokens whose K/V are kv[..., :len, :]
+    kv: torch.Tensor | None = None  # [layers, 2 (K, V), kv_heads, capacity, head_dim], model dtype
     shared_chain: list = field(default_factory=list)  # prefix-cache nodes this request holds
     prompt_length: int = 0  # the first context seen: the part worth sharing with other requests
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.kv is None else self.kv.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
+
+
+@dataclass(eq=False)
+class _Row:
+    """One row of an open batch: a request (or a token-tree path on top of one)."""
+
+    cache: _RequestCache
+    prefix: int  # buffer entries [0, prefix) the row attends to
+    position: int  # RoPE position of the row's next token
+    # Token-tree rows share their request's buffer: their tokens go to scratch entries past the
+    # cached context (``scratch[0]``: the next free one, shared by the request's rows), and
+    # ``extra`` lists the row's own entries there.
+    scratch: list[int] | None = None
+    extra: list[int] = field(default_factory=list)
+    added: list[int] = field(default_factory=list)  # tokens forwarded in this batch
 
 
 def load_causal_lm(path: str, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
-    # sdpa takes the custom boolean 4-D masks the batched forward needs.
+    # sdpa takes the custom boolean 4-D masks the padded transformers forward needs.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
     return model.to(device).eval()
 
 
+def load_vocabulary(path: str) -> dict[int, str] | None:
+    """id -> token of the tokenizer at ``path`` (a checkpoint directory, or a model name already
+    in the local Hugging Face cache), added tokens included; None when there is none to read."""
+    tokenizer_json = os.path.join(path, "tokenizer.json")
+    try:
+        if os.path.isfile(tokenizer_json):
+            from tokenizers import Tokenizer
+
+            vocab = Tokenizer.from_file(tokenizer_json).get_vocab(with_added_tokens=True)
+        else:
+            from transformers import AutoTokenizer
+
+            vocab = AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab()
+    except Exception:  # no tokenizer files, or files transformers cannot read: nothing to compare
+        return None
+    return {index: token for token, index in vocab.items()}
+
+
+def vocabulary_disagreement(draft: dict[int, str], target: dict[int, str], size: int) -> str | None:
+    """None when the two tokenizers give every id below ``size`` the same token (or both none),
+    else a description of the first id where they differ."""
+    for index in range(size):
+        if draft.get(index) != target.get(index):
+            return f"id {index} is {draft.get(index)!r} for the draft but {target.get(index)!r} for the target"
+    return None
+
+
 class DraftRuntime:
-    """One draft model serving many requests, each with its own incremental KV cache."""
+    """One draft model serving many requests, each with its own incremental KV cache.
+
+    Vocabulary: a draft with the target's vocabulary size is accepted as it is. A smaller one is
+    accepted when its vocabulary is a prefix of the target's: both tokenizers must be readable
+    (the draft's from ``path``, the target's from ``target_path``; by default ``target_name``
+    when that is a directory) and give every draft id the same token. Its distributions are then
+    padded with zeros to the target's size (``vocab_size`` is the target's; ``draft_vocab_size``
+    the draft's own), so ids the draft lacks are never drafted and carry q = 0; context tokens it
+    lacks are fed to it as id 0 (its drafts after them are just worse). Anything else is refused
+    (:class:`DraftModelError`, naming both models and sizes).
+
+    Tunables:
+
+    - ``solo_prefill_threshold``: a row with more new tokens than this (a fresh prompt, a
+      re-prefill after eviction) is forwarded on its own before the batched forward. The prompt's
+      whole blocks are then in the prefix tree before the next row of the same batch looks
+      there (prefix sharing within one step), and on the transformers path one long row does
+      not pad every other row. Lower: more forwards per step; higher: less sharing in the step
+      a shared prompt first arrives.
+    - ``kv_chunk_tokens``: the smallest KV buffer, and the granularity of its growth (by half
+      its capacity, never past the draft's maximum length unless asked to). Larger: fewer
+      regrowth copies, more memory held by short requests (capacity counts in the budget).
+    """
 
     def __init__(
         self,
@@ -63,45 +142,94 @@ class DraftRuntime:
         *,
         target_vocab_size: int | None = None,
         target_name: str = "target",
+        target_path: str | None = None,
         dtype: str = "float32",
         device: str = "cpu",
         memory_budget_mb: float = 512,
         lean_forward: bool = True,
         prefix_sharing: bool = False,
         prefix_block_size: int = DEFAULT_BLOCK_SIZE,
+        solo_prefill_threshold: int = SOLO_PREFILL_THRESHOLD,
+        kv_chunk_tokens: int = KV_CHUNK_TOKENS,
     ):
         from transformers import AutoConfig
 
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise DraftModelError(f"draft model {path!r}: no config.json there (a local checkpoint directory is needed)")
-        config = AutoConfig.from_pretrained(path)
-        if target_vocab_size is not None and config.vocab_size != target_vocab_size:
-            raise DraftModelError(
-                f"draft model {path!r} has vocabulary size {config.vocab_size}, but {target_name} has "
-                f"{target_vocab_size}: drafts must share the target's tokenizer"
+        if solo_prefill_threshold < 0 or kv_chunk_tokens < 1:
+            raise ValueError(
+                f"need solo_prefill_threshold >= 0 and kv_chunk_tokens >= 1, got {solo_prefill_threshold} "
+                f"and {kv_chunk_tokens}"
             )
+        config = AutoConfig.from_pretrained(path)
         self.path = path
         self.name = os.path.basename(os.path.normpath(path))
-        self.vocab_size = config.vocab_size
+        self.draft_vocab_size = config.vocab_size
+        self.vocab_size = self._check_vocabulary(
+            config.vocab_size, target_vocab_size, target_name,
+            target_path if target_path is not None else (target_name if os.path.isdir(target_name) else None),
+        )
         self.max_length = int(getattr(config, "max_position_embeddings", 2048))
         self.device = torch.device(device)
         self.model = load_causal_lm(path, dtype, device)
         # Llama drafts skip transformers' per-call overhead (same math; see proposers/lean_llama.py).
         self.lean = LeanLlama(self.model) if lean_forward and LeanLlama.supports(self.model) else None
+        num_heads = config.num_attention_heads
+        self._kv_geometry = (
+            config.num_hidden_layers,
+            getattr(config, "num_key_value_heads", None) or num_heads,
+            getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        )
+        self._kv_dtype = next(self.model.parameters()).dtype
         self.memory_budget_bytes = int(memory_budget_mb * 2**20)
         self.prefix_cache = PrefixCache(prefix_block_size) if prefix_sharing else None
+        self.solo_prefill_threshold = solo_prefill_threshold
+        self.kv_chunk_tokens = kv_chunk_tokens
         self._caches: OrderedDict[str, _RequestCache] = OrderedDict()
+        self._resident: dict[str, int] = {}  # per request: bytes a proposer keeps beside the KV
         self._too_long_logged: set[str] = set()
         self.tokens_forwarded = 0  # real (unpadded) tokens run through the model, for cost accounting
         self.evictions = 0
 
+    def _check_vocabulary(self, draft_size, target_size, target_name, target_path) -> int:
+        """The output vocabulary size (the target's), or :class:`DraftModelError`."""
+        if target_size is None or draft_size == target_size:
+            return draft_size
+        mismatch = f"draft model {self.path!r} has vocabulary size {draft_size}, but {target_name} has {target_size}"
+        if draft_size > target_size:
+            raise DraftModelError(f"{mismatch}: a draft may not have more token ids than the target")
+        draft_vocab = load_vocabulary(self.path)
+        target_vocab = load_vocabulary(target_path) if target_path is not None else None
+        if draft_vocab is None or target_vocab is None:
+            missing = " and ".join(
+                name for name, vocab in ((f"the draft ({self.path})", draft_vocab),
+                                         (f"the target ({target_path or target_name})", target_vocab))
+                if vocab is None
+            )
+            raise DraftModelError(
+                f"{mismatch}: a smaller draft vocabulary is accepted only as a prefix of the target's, "
+                f"which needs both tokenizers to compare, and none could be read for {missing}"
+            )
+        disagreement = vocabulary_disagreement(draft_vocab, target_vocab, draft_size)
+        if disagreement is not None:
+            raise DraftModelError(
+                f"{mismatch}, and the draft's vocabulary is not a prefix of the target's ({disagreement}): "
+                "drafts must share the target's tokenizer"
+            )
+        logger.info(
+            "draft model %s: vocabulary of %d ids is a prefix of %s's %d (same tokens); its "
+            "distributions are padded with zeros", self.path, draft_size, target_name, target_size,
+        )
+        return target_size
+
     # -- request lifecycle -----------------------------------------------------------------
 
     def free(self, request_id: str) -> None:
-        """Drop a finished or aborted request's cache."""
+        """Drop a finished or aborted request's cache (and whatever was reserved for it)."""
         cache = self._caches.pop(request_id, None)
         if cache is not None:
             self._unshare(cache)
+        self._resident.pop(request_id, None)
         self._too_long_logged.discard(request_id)
 
     @property
@@ -114,7 +242,21 @@ class DraftRuntime:
 
     @property
     def cache_bytes(self) -> int:
+        """Bytes of the requests' KV buffers, by capacity (not by the tokens in them)."""
         return sum(c.nbytes for c in self._caches.values())
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes proposers reserved beside the KV (:meth:`set_resident_bytes`)."""
+        return sum(self._resident.values())
+
+    def set_resident_bytes(self, request_id: str, nbytes: int) -> None:
+        """Count ``nbytes`` that a proposer keeps for ``request_id`` (say, what its weight update
+        needs) in this draft's memory budget, until :meth:`free` or the next call."""
+        if nbytes > 0:
+            self._resident[request_id] = nbytes
+        else:
+            self._resident.pop(request_id, None)
 
     def room(self, request_id: str, context_length: int, gamma: int) -> int:
         """Draft tokens that fit after the context within the draft's maximum length.
@@ -145,7 +287,7 @@ class DraftRuntime:
 
     @property
     def total_bytes(self) -> int:
-        return self.cache_bytes + (self.prefix_cache.nbytes if self.prefix_cache else 0)
+        return self.cache_bytes + self.resident_bytes + (self.prefix_cache.nbytes if self.prefix_cache else 0)
 
     def _enforce_budget(self) -> None:
         if self.prefix_cache is not None and self.total_bytes > self.memory_budget_bytes:
@@ -155,6 +297,22 @@ class DraftRuntime:
             self._unshare(cache)
             self.evictions += 1
 
+    def _reserve(self, cache: _RequestCache, needed: int) -> None:
+        """Grow the cache's buffer to hold at least ``needed`` entries (a copy, only on growth)."""
+        capacity = cache.capacity
+        if needed <= capacity:
+            return
+        chunk = self.kv_chunk_tokens
+        grown = -(-max(needed, capacity + capacity // 2) // chunk) * chunk
+        if needed <= self.max_length:
+            grown = min(grown, self.max_length)  # the draft never needs more (room() clips)
+        layers, heads, dim = self._kv_geometry
+        # Zeros, not empty: attention never weighs unwritten entries, but 0 * NaN would poison it.
+        kv = torch.zeros(layers, 2, heads, grown, dim, dtype=self._kv_dtype, device=self.device)
+        if cache.kv is not None:
+            kv[:, :, :, :capacity] = cache.kv  # everything: token-tree scratch entries too
+        cache.kv = kv
+
     # -- prefix sharing --------------------------------------------------------------------
 
     def _start_from_shared_prefix(self, cache: _RequestCache, context: list[int]) -> None:
@@ -163,8 +321,10 @@ class DraftRuntime:
             return
         chain = self.prefix_cache.match(context[:-1])
         if chain:
-            cache.layers = self.prefix_cache.load(chain)
-            cache.cached_tokens = list(context[: len(chain) * self.prefix_cache.block_size])
+            length = len(chain) * self.prefix_cache.block_size
+            self._reserve(cache, length)
+            self.prefix_cache.load_into(chain, cache.kv)
+            cache.cached_tokens = list(context[:length])
             self.prefix_cache.acquire(chain)
             cache.shared_chain = chain
 
@@ -176,7 +336,7 @@ class DraftRuntime:
         block = self.prefix_cache.block_size
         if shareable // block <= len(cache.shared_chain):
             return
-        chain = self.prefix_cache.insert(cache.cached_tokens[:shareable], cache.layers)
+        chain = self.prefix_cache.insert_kv(cache.cached_tokens[:shareable], cache.kv)
         self.prefix_cache.acquire(chain)
         self.prefix_cache.release(cache.shared_chain)
         cache.shared_chain = chain
@@ -186,50 +346,152 @@ class DraftRuntime:
             self.prefix_cache.release(cache.shared_chain)
             cache.shared_chain = []
 
-    @torch.no_grad()
-    def _forward_padded(self, layers, valid: torch.Tensor, input_ids, positions):
-        """One forward of ``input_ids`` [B, n] on top of padded caches ``layers`` (None: empty).
+    # -- the forward -------------------------------------------------------------------------
 
-        ``valid`` [B, past + n] marks real positions. Returns logits [B, n, V] and the new layers.
+    @torch.no_grad()
+    def _run(self, rows: list[_Row], tokens: list[list[int]], need_logits: bool = True):
+        """Forward ``tokens[i]`` (non-empty) on top of ``rows[i]``, all rows at once; writes their
+        K/V into the rows' buffers and advances the rows.
+
+        Returns (logits [B, vocab_size] float32 after each row's last token, final hidden states
+        [B, hidden] in the model dtype, or None on the transformers path), or (None, None) when
+        ``need_logits`` is False.
         """
-        past = 0 if layers is None else layers[0][0].shape[2]
-        n = input_ids.shape[1]
-        query_columns = torch.arange(past, past + n, device=self.device)
-        key_columns = torch.arange(past + n, device=self.device)
-        causal = key_columns[None, :] <= query_columns[:, None]  # [n, past + n]
-        mask = causal[None] & valid[:, None, :]
-        # A padding query sees at least itself, so no softmax row is empty (no NaN).
-        mask[:, torch.arange(n), query_columns] = True
+        writes = []
+        for row, new in zip(rows, tokens):
+            if not new:
+                raise ValueError("every row of a forward needs at least one token")
+            at = row.scratch[0] if row.scratch is not None else row.prefix
+            if row.scratch is not None:
+                row.scratch[0] += len(new)
+            writes.append(at)
+        needed: dict[int, tuple[_RequestCache, int]] = {}
+        for row, new, at in zip(rows, tokens, writes):
+            _, most = needed.get(id(row.cache), (row.cache, 0))
+            needed[id(row.cache)] = (row.cache, max(most, at + len(new)))
+        for cache, most in needed.values():
+            self._reserve(cache, most)
+        flat_ids = [t for new in tokens for t in new]
+        flat_positions = [row.position + j for row, new in zip(rows, tokens) for j in range(len(new))]
+        ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
+        if self.draft_vocab_size < self.vocab_size:
+            ids = ids.masked_fill(ids >= self.draft_vocab_size, 0)  # target tokens the draft lacks
+        positions = torch.tensor(flat_positions, dtype=torch.long, device=self.device)
         if self.lean is not None:
-            logits, new_layers = self.lean.forward(input_ids, positions, layers, mask[:, None])
-            return logits.float(), new_layers
+            logits, hidden = self._forward_lean(rows, tokens, writes, ids, positions, need_logits)
+        else:
+            logits, hidden = self._forward_transformers(rows, tokens, writes, ids, positions, need_logits)
+        for row, new, at in zip(rows, tokens, writes):
+            if row.scratch is None:
+                row.prefix += len(new)
+            else:
+                row.extra.extend(range(at, at + len(new)))
+            row.position += len(new)
+            row.added.extend(new)
+        self.tokens_forwarded += len(flat_ids)
+        if logits is not None and self.vocab_size > self.draft_vocab_size:
+            # Ids the draft lacks: probability 0 under every processing (softmax of -inf).
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - self.draft_vocab_size), value=float("-inf"))
+        return logits, hidden
+
+    def _row_mask(self, row: _Row, n: int, at: int) -> torch.Tensor | None:
+        """[n, at + n] bool, or None for the common case: the row sees every entry before its
+        new tokens, and those causally."""
+        if row.scratch is None:
+            return None
+        mask = torch.zeros(n, at + n, dtype=torch.bool, device=self.device)
+        mask[:, :row.prefix] = True
+        if row.extra:
+            mask[:, row.extra] = True
+        mask[:, at:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        return mask
+
+    def _forward_lean(self, rows, tokens, writes, ids, positions, need_logits):
+        attention, ends, end = [], [], 0
+        for row, new, at in zip(rows, tokens, writes):
+            n = len(new)
+            attention.append(RowAttention(row.cache.kv, n, at, at + n, self._row_mask(row, n, at)))
+            end += n
+            ends.append(end - 1)
+        last = torch.tensor(ends, dtype=torch.long, device=self.device) if need_logits else None
+        return self.lean.forward_rows(ids, positions, attention, last)
+
+    def _forward_transformers(self, rows, tokens, writes, ids, positions, need_logits):
+        """The padded batch transformers needs: row layout [pad][visible cache][pad][new tokens],
+        so every row's last token is in the last column. Copies each row's cache in (drafts
+        without the lean forward only) and writes the new K/V back into its buffer."""
         from transformers import DynamicCache
 
+        device = self.device
+        visible = [list(range(row.prefix)) + row.extra for row in rows]
+        past = max(len(v) for v in visible)
+        width = max(len(new) for new in tokens)
+        batch = len(rows)
+        valid = torch.zeros(batch, past + width, dtype=torch.bool, device=device)
+        padded_ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+        padded_positions = torch.zeros(batch, width, dtype=torch.long, device=device)
+        start = 0
+        for index, (seen, new) in enumerate(zip(visible, tokens)):
+            n = len(new)
+            valid[index, past - len(seen):past] = True
+            valid[index, past + width - n:] = True
+            padded_ids[index, width - n:] = ids[start:start + n]
+            padded_positions[index, width - n:] = positions[start:start + n]
+            start += n
+        query_columns = torch.arange(past, past + width, device=device)
+        causal = torch.arange(past + width, device=device)[None, :] <= query_columns[:, None]
+        mask = causal[None] & valid[:, None, :]
+        mask[:, torch.arange(width), query_columns] = True  # a padding query sees itself: no NaN
         cache = DynamicCache()
-        for index, (keys, values) in enumerate(layers or []):
-            cache.update(keys, values, index)
+        if past:
+            layers, heads, dim = self._kv_geometry
+            for layer in range(layers):
+                keys = torch.zeros(batch, heads, past, dim, dtype=self._kv_dtype, device=device)
+                values = torch.zeros_like(keys)
+                for index, (row, seen) in enumerate(zip(rows, visible)):
+                    if not seen:
+                        continue
+                    kv = row.cache.kv[layer]
+                    if row.extra:
+                        kv = kv.index_select(2, torch.tensor(seen, device=device))
+                    keys[index, :, past - len(seen):] = kv[0, :, :len(seen)]
+                    values[index, :, past - len(seen):] = kv[1, :, :len(seen)]
+                cache.update(keys, values, layer)
         out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
+            input_ids=padded_ids,
+            position_ids=padded_positions,
             attention_mask=mask[:, None],
             past_key_values=cache,
             use_cache=True,
         )
-        new_layers = [(layer.keys, layer.values) for layer in cache.layers]
-        return out.logits.float(), new_layers
+        for layer, cached in enumerate(cache.layers):
+            if tuple(cached.keys.shape[1::2]) != tuple(self._kv_geometry[1:]):
+                raise DraftModelError(
+                    f"draft model {self.path!r}: its attention caches keys of shape {tuple(cached.keys.shape)}, "
+                    f"not [batch, {self._kv_geometry[1]}, length, {self._kv_geometry[2]}] as its config says"
+                )
+            for index, (row, new, at) in enumerate(zip(rows, tokens, writes)):
+                n = len(new)
+                row.cache.kv[layer, 0, :, at:at + n] = cached.keys[index, :, past + width - n:]
+                row.cache.kv[layer, 1, :, at:at + n] = cached.values[index, :, past + width - n:]
+        if not need_logits:
+            return None, None
+        return out.logits[:, -1].float(), None
+
+    def token_logits(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [N] float32 of ``tokens`` [N] (int64, target ids) after final hidden states
+        [N, hidden] from :attr:`DraftBatch.hidden` (lean drafts only); -inf for ids the draft
+        lacks."""
+        inside = tokens < self.draft_vocab_size
+        logits = self.lean.token_logits(hidden, tokens.clamp(max=self.draft_vocab_size - 1))
+        return logits.masked_fill(~inside, float("-inf"))
 
     @torch.no_grad()
     def _prefill_alone(self, cache: _RequestCache, tokens: list[int]) -> None:
         """Forward ``tokens`` for one request outside the batch (long prompts)."""
-        layers = [(k[None], v[None]) for k, v in cache.layers] or None
-        past = len(cache.cached_tokens)
-        valid = torch.ones(1, past + len(tokens), dtype=torch.bool, device=self.device)
-        ids = torch.tensor([tokens], device=self.device)
-        positions = torch.arange(past, past + len(tokens), device=self.device)[None]
-        _, new_layers = self._forward_padded(layers, valid, ids, positions)
-        cache.layers = [(k[0], v[0]) for k, v in new_layers]
+        length = len(cache.cached_tokens)
+        self._run([_Row(cache, prefix=length, position=length)], [tokens], need_logits=False)
         cache.cached_tokens.extend(tokens)
-        self.tokens_forwarded += len(tokens)
 
     # -- one request at a time (tests, tools) ----------------------------------------------
 
@@ -254,7 +516,7 @@ class DraftRuntime:
         logits = batch.logits[0]
         for step in range(gamma):
             probs = processed_probs(logits, params)
-            token = int(probs.argmax()) if params.greedy else int(sample(probs.unsqueeze(0), generator))
+            token = int(probs.argmax()) if params.greedy else int(sample(probs, generator))
             tokens.append(token)
             rows.append(probs)
             if step + 1 < gamma:
@@ -264,14 +526,21 @@ class DraftRuntime:
 
 
 class DraftBatch:
-    """The requests drafting this step, as one left-padded batch on one draft model."""
+    """The requests drafting this step on one draft model, forwarded together.
+
+    ``logits`` [len(rows), vocab_size] float32 and ``hidden`` ([len(rows), hidden] in the model
+    dtype; None on the transformers path) belong to the last forward, whose rows (indices into
+    the batch) are ``rows``: every row at first, the rows :meth:`extend` was given after that.
+    """
 
     def __init__(self, runtime: DraftRuntime, request_ids: list[str], contexts: list[list[int]]):
-        caches = [runtime._take_cache(rid) for rid in request_ids]
-        new_tokens: list[list[int]] = []
-        for cache, context in zip(caches, contexts):
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("a request can be in a batch only once")
+        rows, new_tokens = [], []
+        for request_id, context in zip(request_ids, contexts):
             if not context:
                 raise ValueError("cannot draft after an empty context")
+            cache = runtime._take_cache(request_id)
             _rollback(cache, context)
             if not cache.cached_tokens:
                 runtime._unshare(cache)
@@ -279,18 +548,23 @@ class DraftBatch:
             if not cache.prompt_length:
                 cache.prompt_length = len(context)
             pending = context[len(cache.cached_tokens):]
-            if len(pending) > SOLO_PREFILL_THRESHOLD:
+            if len(pending) > runtime.solo_prefill_threshold:
                 runtime._prefill_alone(cache, pending[:-1])
                 runtime._share(cache)
                 pending = pending[-1:]
+            length = len(cache.cached_tokens)
+            rows.append(_Row(cache, prefix=length, position=length))
             new_tokens.append(pending)
-        self._build(runtime, request_ids, caches, new_tokens, writable=True)
+        self._setup(runtime, request_ids, rows, writable=True)
+        self._forward(list(range(len(rows))), new_tokens)
 
     @classmethod
     def branches(cls, runtime: DraftRuntime, request_id: str, context: list[int], paths: list[list[int]]) -> DraftBatch:
         """One row per path: ``context + path``, on top of the request's cache (for token trees).
 
-        Read-only: ``close()`` leaves the request's cache holding exactly ``context``.
+        Read-only: ``close()`` leaves the request's cache holding exactly ``context``. The paths'
+        K/V go to scratch entries of the request's buffer past the context, each row masked to
+        its own.
         """
         if not context or not paths or not all(paths):
             raise ValueError("branches need a context and non-empty paths")
@@ -298,97 +572,48 @@ class DraftBatch:
         _rollback(cache, context, keep_last_uncached=False)
         if len(cache.cached_tokens) < len(context):
             runtime._prefill_alone(cache, context[len(cache.cached_tokens):])
+        length = len(cache.cached_tokens)
+        scratch = [length]
+        rows = [_Row(cache, prefix=length, position=length, scratch=scratch) for _ in paths]
         batch = cls.__new__(cls)
-        batch._build(runtime, [request_id] * len(paths), [cache] * len(paths), [list(p) for p in paths], writable=False)
+        batch._setup(runtime, [request_id] * len(paths), rows, writable=False)
+        batch._forward(list(range(len(rows))), [list(p) for p in paths])
         return batch
 
-    def _build(self, runtime, request_ids, caches, new_tokens, writable: bool) -> None:
+    def _setup(self, runtime: DraftRuntime, request_ids: list[str], rows: list[_Row], writable: bool) -> None:
         self.runtime = runtime
         self.request_ids = request_ids
         self.writable = writable
-        device = runtime.device
-        self._caches = caches
-        batch_size = len(caches)
-        past = max(len(c.cached_tokens) for c in caches)
-        width = max(len(t) for t in new_tokens)
-        # Row layout: [pad][cache][pad][new tokens], so every row's last token is in the last column.
-        valid = torch.zeros(batch_size, past + width, dtype=torch.bool, device=device)
-        ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
-        positions = torch.zeros(batch_size, width, dtype=torch.long, device=device)
-        for row, (cache, tokens) in enumerate(zip(caches, new_tokens)):
-            length = len(cache.cached_tokens)
-            valid[row, past - length:past] = True
-            valid[row, past + width - len(tokens):] = True
-            ids[row, width - len(tokens):] = torch.tensor(tokens, device=device)
-            positions[row, width - len(tokens):] = torch.arange(length, length + len(tokens), device=device)
-        layers = None
-        if past > 0:
-            layers = []
-            for index in range(_num_layers(caches, runtime)):
-                keys, values = _left_pad([c.layers[index] if c.layers else None for c in caches], past, runtime)
-                layers.append((keys, values))
-        logits, self._layers = runtime._forward_padded(layers, valid, ids, positions)
-        runtime.tokens_forwarded += sum(len(t) for t in new_tokens)
-        self._valid = valid
-        self._next_positions = positions[:, -1] + 1
-        self._added = [list(t) for t in new_tokens]
-        self.logits = logits[:, -1]  # [B, V]
+        self._rows = rows
 
-    def extend(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Append one token per row; returns the next-token logits [B, V]."""
-        runtime = self.runtime
-        device = runtime.device
-        ids = torch.tensor(list(tokens), device=device)[:, None]
-        self._valid = torch.cat([self._valid, torch.ones(len(tokens), 1, dtype=torch.bool, device=device)], 1)
-        logits, self._layers = runtime._forward_padded(self._layers, self._valid, ids, self._next_positions[:, None])
-        self._next_positions = self._next_positions + 1
-        for row, token in enumerate(tokens):
-            self._added[row].append(int(token))
-        runtime.tokens_forwarded += len(tokens)
-        self.logits = logits[:, -1]
+    def _forward(self, rows: list[int], tokens: list[list[int]]) -> None:
+        self.logits, self.hidden = self.runtime._run([self._rows[i] for i in rows], tokens)
+        self.rows = rows
+
+    def extend(self, tokens: Sequence[int], rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Append one token to each of ``rows`` (default: every row; others stay where they are);
+        returns their next-token logits [len(rows), vocab_size]."""
+        rows = list(range(len(self._rows))) if rows is None else list(rows)
+        if len(tokens) != len(rows):
+            raise ValueError(f"{len(tokens)} tokens for {len(rows)} rows")
+        self._forward(rows, [[int(t)] for t in tokens])
         return self.logits
 
     def close(self) -> None:
-        """Split the batch back into per-request caches and apply the memory budget."""
-        if not self.writable:
-            self._layers = []
-            self.runtime._enforce_budget()
-            return
-        for row, cache in enumerate(self._caches):
-            keep = self._valid[row].nonzero().squeeze(-1)
-            cache.layers = [(k[row].index_select(1, keep), v[row].index_select(1, keep)) for k, v in self._layers]
-            cache.cached_tokens.extend(self._added[row])
-            cache.nbytes = kv_nbytes(cache.layers)
-            self.runtime._share(cache)
-        self._layers = []
+        """Commit the rows' tokens to their requests' caches (their K/V are in place already)
+        and apply the memory budget. A batch never closed leaves the caches as they were."""
+        if self.writable:
+            for row in self._rows:
+                row.cache.cached_tokens.extend(row.added)
+                self.runtime._share(row.cache)
+        self._rows = []
         self.runtime._enforce_budget()
 
 
-def _num_layers(caches: list[_RequestCache], runtime: DraftRuntime) -> int:
-    for cache in caches:
-        if cache.layers:
-            return len(cache.layers)
-    return runtime.model.config.num_hidden_layers
-
-
-def _left_pad(per_row, past: int, runtime: DraftRuntime) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack per-request [heads, len, dim] K/V into [B, heads, past, dim], real entries last."""
-    template = next(kv for kv in per_row if kv is not None)[0]
-    heads, _, dim = template.shape
-    keys = template.new_zeros(len(per_row), heads, past, dim)
-    values = template.new_zeros(len(per_row), heads, past, dim)
-    for row, kv in enumerate(per_row):
-        if kv is None:
-            continue
-        length = kv[0].shape[1]
-        keys[row, :, past - length:] = kv[0]
-        values[row, :, past - length:] = kv[1]
-    return keys, values
-
-
 def _rollback(cache: _RequestCache, context: list[int], keep_last_uncached: bool = True) -> None:
-    """Cut the cache to the prefix it shares with ``context``; by default the last context token
-    stays uncached, since its logits are needed."""
+    """Cut the cache to the prefix it shares with ``context`` (its buffer stays, entries past the
+    new length are just unused); by default the last context token stays uncached, since its
+    logits are needed."""
     cached = cache.cached_tokens
     # Contexts change at the tail: compare the long head in one C-level slice comparison.
     head = max(0, min(len(cached), len(context)) - 16)
@@ -399,6 +624,4 @@ def _rollback(cache: _RequestCache, context: list[int], keep_last_uncached: bool
         common += 1
     if keep_last_uncached:
         common = min(common, len(context) - 1)
-    if common < len(cache.cached_tokens):
-        del cache.cached_tokens[common:]
-        cache.layers = [(k[:, :common], v[:, :common]) for k, v in cache.layers] if common else []
+    del cache.cached_tokens[common:]

@@ -8,10 +8,15 @@ with ``adapt_weights`` they are the posterior of a Bayesian mixture with forgett
 log-weight gains the log-probability it gave to every token the target emitted at a verified
 position (the exponentially weighted forecaster for log loss, which tracks the best draft or the
 best blend). Any weights are exact: q is whatever was sampled from.
+
+Rows draft only as far as their own γ: a row whose γ is reached (adaptive γ gives each its
+own, the draft's maximum length clips some) leaves the batched forward, so it is never
+extended past its γ or pushed to positions beyond the draft's ``max_position_embeddings``.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,8 +28,44 @@ from vllm_specplugin.proposers.draft_runtime import DraftBatch, DraftRuntime
 from vllm_specplugin.proposers.metrics import DraftMetrics, accepted_count
 from vllm_specplugin.proposers.sampling import processed_probs_rows, sample_rows
 
-FORGETTING = 0.01  # per verified token, log-weights shrink by this factor (memory ~100 tokens)
-MIN_WEIGHT = 0.02  # an adapted weight never drops below this, so a draft can come back
+# Defaults of the EnsembleProposer parameters of the same names (documented there).
+FORGETTING = 0.01
+MIN_WEIGHT = 0.02
+LOG_FLOOR = math.log(1e-12)  # a draft's log-probability of an emitted token counts at least this
+
+
+@dataclass
+class _Scores:
+    """What the adaptive weight update needs about one pending draft: each draft d's raw
+    (unprocessed) log-probability of the token the target emits at every drafted position j.
+
+    The emitted token is known only at the next step. At accepted positions it is the drafted
+    token, whose log-probability is kept now (``drafted``). At the rejected position it can be
+    any token, so lean drafts keep their final hidden state and log-normaliser, from which one
+    token's logit is a dot product with the LM head row (exact, no [V] vector kept); drafts on
+    the transformers path keep their distribution row.
+    """
+
+    drafted: torch.Tensor  # [γ, D] float32: log q_d(drafted token)
+    lse: torch.Tensor  # [γ, D] float32: logsumexp of draft d's logits
+    hidden: list[torch.Tensor | None]  # per draft: [γ, hidden_d] in its dtype (lean drafts), else None
+    rows: list[torch.Tensor | None]  # per draft: [γ, V] float32 q_d (transformers-path drafts), else None
+
+    def nbytes(self, draft: int) -> int:
+        """Bytes held for draft ``draft``: its column of ``drafted`` and ``lse``, and its states."""
+        kept = self.hidden[draft] if self.hidden[draft] is not None else self.rows[draft]
+        return 2 * self.drafted.shape[0] * 4 + kept.numel() * kept.element_size()
+
+
+@dataclass
+class _StepScores:
+    """One draft step's share of the live rows' :class:`_Scores`, rows in ``live`` order."""
+
+    where: dict[int, int]  # batch row -> its index among this step's live rows
+    drafted: torch.Tensor  # [live, D] float32
+    lse: torch.Tensor  # [live, D] float32
+    hidden: list[torch.Tensor | None]  # per draft [live, hidden_d], or None (transformers path)
+    probs: list[torch.Tensor | None]  # per draft [live, V] float32 where hidden is None
 
 
 @dataclass
@@ -34,11 +75,29 @@ class _Pending:
     context_length: int
     tokens: list[int]
     top_tokens: list[list[int]]  # per draft model, per position: that draft's own argmax
-    draft_probs: torch.Tensor | None = None  # [positions, D, V] raw draft distributions (adaptive weights)
+    scores: _Scores | None = None  # adaptive weights only
 
 
 class EnsembleProposer(Proposer):
-    """The mixture-of-drafts proposer; with one runtime it is the single-draft proposer."""
+    """The mixture-of-drafts proposer; with one runtime it is the single-draft proposer.
+
+    Adaptive weights (``adapt_weights``):
+
+    - ``forgetting``: per verified token, the accumulated log-evidence shrinks by this factor,
+      so the weights reflect roughly the last 1 / ``forgetting`` verified tokens (100 by
+      default). Larger: follows a change in which draft fits the text faster, with noisier
+      weights; 0: never forgets (converges on the draft best over the whole run).
+    - ``min_weight``: the floor of every adapted weight (before renormalising), so a draft that
+      fell behind keeps being mixed in and scored, and can come back when the text changes.
+      Costs up to that share of the mixture's mass on a poor draft.
+
+    Memory: per request with a pending draft, adaptive weights keep (see :class:`_Scores`)
+    γ · Σ_d (8 + hidden_d · s_d) bytes for lean drafts (hidden size hidden_d, element size s_d
+    of the draft's dtype) and γ · (8 + 4 · V) for a draft on the transformers path; each draft's
+    part counts in that draft's memory budget. Example: three bfloat16 drafts of hidden size
+    896 at γ = 4 keep 4 · 3 · (8 + 1792) = 21.6 kB per request (the full [γ, D, V] float32
+    distributions at V = 152k would be 7.3 MB).
+    """
 
     def __init__(
         self,
@@ -46,9 +105,13 @@ class EnsembleProposer(Proposer):
         weights: Sequence[float] | None = None,
         *,
         adapt_weights: bool = False,
+        forgetting: float = FORGETTING,
+        min_weight: float = MIN_WEIGHT,
     ):
         if not 1 <= len(runtimes) <= 3:
             raise ValueError(f"an ensemble takes 1 to 3 draft models, got {len(runtimes)}")
+        if not 0 <= forgetting < 1 or not 0 <= min_weight <= 1:
+            raise ValueError(f"need 0 <= forgetting < 1 and 0 <= min_weight <= 1, got {forgetting} and {min_weight}")
         vocab_sizes = {rt.vocab_size for rt in runtimes}
         if len(vocab_sizes) != 1:
             names = ", ".join(f"{rt.path} ({rt.vocab_size})" for rt in runtimes)
@@ -61,6 +124,8 @@ class EnsembleProposer(Proposer):
         self.vocab_size = vocab_sizes.pop()
         self.prior = torch.tensor(weights, dtype=torch.float32) / sum(weights)
         self.adapt_weights = adapt_weights
+        self.forgetting = forgetting
+        self.min_weight = min_weight
         self._log_evidence = torch.zeros(len(runtimes))
         self.names = _unique_names([rt.name for rt in runtimes])
         self.metrics = DraftMetrics(self.names)
@@ -75,7 +140,7 @@ class EnsembleProposer(Proposer):
     def free(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
         for rt in self.runtimes:
-            rt.free(request_id)
+            rt.free(request_id)  # also what set_resident_bytes counted for it
 
     def tracked_request_ids(self) -> set[str]:
         ids = set(self._pending)
@@ -131,43 +196,72 @@ class EnsembleProposer(Proposer):
     def _draft(self, active: list[tuple[int, DraftRequest, int]], drafts: list[Draft]) -> None:
         ids = [request.request_id for _, request, _ in active]
         contexts = [list(request.context) for _, request, _ in active]
-        params = [request.params for _, request, _ in active]
         gammas = [gamma for _, _, gamma in active]
         batches = [rt.open_batch(ids, contexts) for rt in self.runtimes]
         weights = self._weights.to(batches[0].logits.device)
         tokens: list[list[int]] = [[] for _ in active]
         rows: list[list[torch.Tensor]] = [[] for _ in active]
         top_tokens = [[[] for _ in self.runtimes] for _ in active]
-        raw: list[torch.Tensor] = []  # per step [D, B, V], kept only for adaptive weights
+        steps: list[_StepScores] = []  # adaptive weights only
+        live = list(range(len(active)))  # rows still drafting; row r drafts gammas[r] tokens
+        logits = [batch.logits for batch in batches]  # per draft [len(live), V] float32
         for step in range(max(gammas)):
-            per_draft = torch.stack([batch.logits.float().softmax(-1) for batch in batches])  # [D, B, V]
+            per_draft = torch.stack([part.softmax(-1) for part in logits])  # [D, len(live), V]
             mixture = torch.einsum("d,dbv->bv", weights, per_draft)
-            q = processed_probs_rows(mixture.log(), params)
-            chosen = self._choose(q, active)
-            own_top = per_draft.argmax(-1).T.tolist()  # [B, D]
+            q = processed_probs_rows(mixture.log(), [active[r][1].params for r in live])
+            chosen = self._choose(q, [active[r][1] for r in live])
+            own_top = per_draft.argmax(-1).T.tolist()  # [len(live), D]
             if self.adapt_weights:
-                raw.append(per_draft)
-            for row in range(len(active)):
-                if step < gammas[row]:
-                    tokens[row].append(chosen[row])
-                    rows[row].append(q[row])
-                    for d, token in enumerate(own_top[row]):
-                        top_tokens[row][d].append(token)
-            if step + 1 < max(gammas):
-                for batch in batches:
-                    batch.extend(chosen)
+                steps.append(self._step_scores(live, logits, per_draft, batches, chosen))
+            for i, r in enumerate(live):
+                tokens[r].append(chosen[i])
+                rows[r].append(q[i])
+                for d, token in enumerate(own_top[i]):
+                    top_tokens[r][d].append(token)
+            going = [i for i, r in enumerate(live) if step + 1 < gammas[r]]
+            if not going:
+                break
+            live = [live[i] for i in going]
+            logits = [batch.extend([chosen[i] for i in going], rows=live) for batch in batches]
         for batch in batches:
             batch.close()
         for row, (index, request, _) in enumerate(active):
             drafts[index] = Draft(tokens[row], torch.stack(rows[row]))
-            kept = torch.stack([r[:, row] for r in raw[: len(tokens[row])]]) if raw else None
-            self._pending[request.request_id] = _Pending(len(request.context), tokens[row], top_tokens[row], kept)
+            scores = self._row_scores(steps, row) if steps else None
+            self._pending[request.request_id] = _Pending(len(request.context), tokens[row], top_tokens[row], scores)
+            if scores is not None:
+                for d, rt in enumerate(self.runtimes):
+                    rt.set_resident_bytes(request.request_id, scores.nbytes(d))
 
     @staticmethod
-    def _choose(q: torch.Tensor, active) -> list[int]:
+    def _step_scores(live, logits, per_draft, batches, chosen) -> _StepScores:
+        lse = torch.stack([part.logsumexp(-1) for part in logits], -1)  # [len(live), D]
+        index = torch.tensor(chosen, device=lse.device)[:, None]
+        drafted = torch.cat([part.gather(-1, index) for part in logits], -1) - lse  # [len(live), D]
+        hidden = [batch.hidden for batch in batches]
+        probs = [per_draft[d] if hidden[d] is None else None for d in range(len(batches))]
+        return _StepScores({r: i for i, r in enumerate(live)}, drafted, lse, hidden, probs)
+
+    def _row_scores(self, steps: list[_StepScores], row: int) -> _Scores:
+        """Row ``row``'s :class:`_Scores`, from the steps it drafted in (the first γ of them);
+        copies, so nothing of the step's [live, V] tensors stays referenced."""
+        mine = [(step, step.where[row]) for step in steps if row in step.where]
+
+        def gather(parts) -> torch.Tensor:
+            return torch.stack([part[i] for part, (_, i) in zip(parts, mine)])
+
+        hidden, kept_rows = [], []
+        for d in range(len(self.runtimes)):
+            lean = mine[0][0].hidden[d] is not None
+            hidden.append(gather([step.hidden[d] for step, _ in mine]) if lean else None)
+            kept_rows.append(None if lean else gather([step.probs[d] for step, _ in mine]))
+        return _Scores(gather([s.drafted for s, _ in mine]), gather([s.lse for s, _ in mine]), hidden, kept_rows)
+
+    @staticmethod
+    def _choose(q: torch.Tensor, requests: list[DraftRequest]) -> list[int]:
         """Argmax for greedy rows (q is one-hot there), one sample per other row."""
-        sampled = sample_rows(q, [request.generator for _, request, _ in active])
-        greedy = torch.tensor([request.params.greedy for _, request, _ in active], device=q.device)
+        sampled = sample_rows(q, [request.generator for request in requests])
+        greedy = torch.tensor([request.params.greedy for request in requests], device=q.device)
         return torch.where(greedy, q.argmax(-1), sampled).tolist()
 
     # -- learning from the target's verdicts -----------------------------------------------
@@ -175,6 +269,9 @@ class EnsembleProposer(Proposer):
     def _observe(self, request: DraftRequest) -> None:
         """Score the request's previous draft against the tokens the target emitted since."""
         pending = self._pending.pop(request.request_id, None)
+        if pending is not None and pending.scores is not None:
+            for rt in self.runtimes:
+                rt.set_resident_bytes(request.request_id, 0)
         if pending is None or len(request.context) <= pending.context_length:
             return
         emitted = list(request.context[pending.context_length:])
@@ -185,18 +282,33 @@ class EnsembleProposer(Proposer):
             hits = sum(pending.top_tokens[d][j] == emitted[j] for j in range(verified))
             self.metrics.agreement[name] += hits
             self.metrics.verified_positions[name] += verified
-        if self.adapt_weights and verified and pending.draft_probs is not None:
-            index = torch.tensor(emitted[:verified], device=pending.draft_probs.device)
-            probs = pending.draft_probs[:verified].gather(-1, index[:, None, None].expand(-1, len(self.names), 1))
-            log_likelihood = probs.squeeze(-1).clamp_min(1e-12).log().sum(0).cpu()  # [D]
-            self._log_evidence = (1 - FORGETTING) ** verified * self._log_evidence + log_likelihood
+        if self.adapt_weights and verified and pending.scores is not None:
+            self._log_evidence = (1 - self.forgetting) ** verified * self._log_evidence + self._log_likelihood(
+                pending, emitted[:verified]
+            )
             self._update_weights()
+
+    def _log_likelihood(self, pending: _Pending, emitted: list[int]) -> torch.Tensor:
+        """Σ_j log q_d(emitted[j]) over the verified positions, per draft: [D] float32 (CPU)."""
+        scores = pending.scores
+        verified = len(emitted)
+        missed = [j for j in range(verified) if emitted[j] != pending.tokens[j]]  # at most one
+        total = scores.drafted[:verified].clone()  # [verified, D]
+        if missed:
+            where = torch.tensor(missed, device=total.device)
+            tokens = torch.tensor([emitted[j] for j in missed], device=total.device)
+            for d, rt in enumerate(self.runtimes):
+                if scores.hidden[d] is not None:
+                    total[where, d] = rt.token_logits(scores.hidden[d][where], tokens) - scores.lse[where, d]
+                else:
+                    total[where, d] = scores.rows[d][where, tokens].clamp_min(1e-12).log()
+        return total.clamp_min(LOG_FLOOR).sum(0).cpu()
 
     def _update_weights(self) -> None:
         weights = self.prior.clone()
         if self.adapt_weights:
             posterior = weights * torch.softmax(self._log_evidence - self._log_evidence.max(), 0)
-            weights = (posterior / posterior.sum()).clamp_min(MIN_WEIGHT)
+            weights = (posterior / posterior.sum()).clamp_min(self.min_weight)
         self._weights = weights / weights.sum()
         self.metrics.weights = dict(zip(self.names, self._weights.tolist()))
 

@@ -1,32 +1,68 @@
-"""A lean forward pass for Llama-architecture drafts.
+"""A lean forward pass for Llama-architecture drafts (Llama, and Qwen2's Llama-with-qkv-bias).
 
 Small drafts are cheap in arithmetic but not in Python: transformers spends about 1.5 ms of
 framework overhead per forward of a 2-layer model on CPU, more than the matrix products. This is
-the same computation as ``LlamaForCausalLM`` (checked against it in
+the same computation as ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (checked against them in
 ``tests/test_proposers_draft_runtime.py``) in a few dozen tensor operations, on the model's own
-weights. Checkpoints it does not cover (other architectures, RoPE scaling, biases) use
-transformers.
+weights. Checkpoints it does not cover (other architectures, sliding windows, RoPE that changes
+with the sequence length, output biases) use transformers.
+
+The forward is *packed and ragged*: the new tokens of every row of a batch are one sequence
+[T] (no padding) for the matrix products, and each row attends over its own per-request K/V
+buffer, in which its new K/V are written in place (see :class:`RowAttention`). No cache is
+copied or concatenated: a step's memory traffic is the new tokens plus one read of each row's
+keys and values by attention.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+# RoPE variants whose effect is entirely in the rotary embedding's (static) inv_freq and
+# attention_scaling, which the lean forward reads from the model; "dynamic" and "longrope"
+# change with the sequence length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class RowAttention:
+    """Where one row's new tokens live and what they attend to.
+
+    ``kv``: the request's buffer [layers, 2 (K, V), kv_heads, capacity, head_dim] in the model
+    dtype. The row's ``n`` new tokens follow the previous row's in the packed batch; their K/V
+    are written at buffer entries ``write_at .. write_at + n - 1``, and they attend to
+    entries ``0 .. keys - 1``: all of them, causally for the new ones, when ``mask`` is None
+    (then ``keys == write_at + n``), else where ``mask`` [n, keys] (bool) is True.
+    """
+
+    kv: torch.Tensor
+    n: int
+    write_at: int
+    keys: int
+    mask: torch.Tensor | None = None
+
 
 class LeanLlama:
-    """``forward(input_ids, positions, past, mask) -> (logits, layers)`` on a LlamaForCausalLM's weights."""
+    """``forward_rows(input_ids, positions, rows, last)``, on a Llama/Qwen2 model's weights."""
 
     @staticmethod
     def supports(model) -> bool:
         config = model.config
         rope = getattr(config, "rope_parameters", None) or {}
+        name = type(model).__name__
+        layer_types = getattr(config, "layer_types", None) or []
         return (
-            type(model).__name__ == "LlamaForCausalLM"
-            and not getattr(config, "attention_bias", False)
+            (
+                (name == "LlamaForCausalLM" and not getattr(config, "attention_bias", False))
+                or (name == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False))
+            )
+            and all(t == "full_attention" for t in layer_types)
             and not getattr(config, "mlp_bias", False)
             and getattr(config, "hidden_act", "silu") == "silu"
-            and rope.get("rope_type", "default") == "default"
+            and rope.get("rope_type", "default") in STATIC_ROPE_TYPES
             and getattr(config, "pretraining_tp", 1) == 1
         )
 
@@ -35,25 +71,32 @@ class LeanLlama:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_layers = config.num_hidden_layers
         self.eps = config.rms_norm_eps
         inner = model.model
         self.embed = inner.embed_tokens.weight
-        self.layers = [
-            (
+        self.layers = []
+        for layer in inner.layers:
+            attn = layer.self_attn
+            projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+            qkv_bias = None
+            if attn.q_proj.bias is not None:  # Qwen2
+                qkv_bias = torch.cat([p.bias for p in projections])
+            self.layers.append((
                 layer.input_layernorm.weight,
-                torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight]),
-                layer.self_attn.o_proj.weight,
+                torch.cat([p.weight for p in projections]),
+                qkv_bias,
+                attn.o_proj.weight,
                 layer.post_attention_layernorm.weight,
                 torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]),
                 layer.mlp.down_proj.weight,
-            )
-            for layer in inner.layers
-        ]
+            ))
         self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = model.lm_head.weight  # [V, hidden]
         self.inv_freq = inner.rotary_emb.inv_freq
         self.rope_scaling = float(inner.rotary_emb.attention_scaling)
         self.dtype = self.embed.dtype
+        self.hidden_size = self.embed.shape[1]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -61,38 +104,77 @@ class LeanLlama:
         return weight * x32.to(x.dtype)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, past, mask: torch.Tensor):
-        """``past``: per layer (K, V) [B, kv_heads, past, head_dim] or None; ``mask``: [B, 1, n, past + n] bool."""
-        batch, n = input_ids.shape
-        x = F.embedding(input_ids, self.embed)
-        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, n, head_dim / 2]
+    def forward_rows(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: list[RowAttention],
+        last: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One forward of the packed new tokens ``input_ids`` [T] at RoPE ``positions`` [T] (int64).
+
+        Writes their K/V into each row's buffer. ``last`` [B] (int64): the packed index of the
+        token whose next-token logits each row wants (None: no logits, e.g. a prefill). Returns
+        (logits [B, V] float32, final normed hidden states [B, hidden] in the model dtype), or
+        (None, None).
+        """
+        total = input_ids.shape[0]
+        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        freqs = positions[:, None].float() * self.inv_freq.float()  # [T, head_dim / 2]
         angles = torch.cat([freqs, freqs], -1)
-        cos = (angles.cos() * self.rope_scaling).to(self.dtype)[:, None]
+        cos = (angles.cos() * self.rope_scaling).to(self.dtype)[:, None]  # [T, 1, head_dim]
         sin = (angles.sin() * self.rope_scaling).to(self.dtype)[:, None]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        new_layers = []
-        for index, (norm_in, qkv_w, o_w, norm_post, gate_up_w, down_w) in enumerate(self.layers):
+        gqa = self.num_kv_heads != self.num_heads
+        # Per row, views of its buffer for every layer, made once per forward (per-row Python
+        # work inside the layer loop is what small drafts pay for): where its new K/V go
+        # ([2, kv_heads, n, head_dim]) and what it attends to (K, V [1, kv_heads, keys, head_dim]).
+        sizes = [row.n for row in rows]
+        targets, keys, values, masks = [], [], [], []
+        for row in rows:
+            targets.append(row.kv[:, :, :, row.write_at:row.write_at + row.n].unbind(0))
+            seen = row.kv[:, :, None, :, :row.keys]  # [layers, 2, 1, kv_heads, keys, head_dim]
+            keys.append(seen[:, 0].unbind(0))
+            values.append(seen[:, 1].unbind(0))
+            mask = row.mask
+            if mask is None and row.n > 1:
+                mask = _bottom_right_causal(row.n, row.keys, x.device)
+            masks.append(mask)
+        for index, (norm_in, qkv_w, qkv_b, o_w, norm_post, gate_up_w, down_w) in enumerate(self.layers):
             h = self._rms_norm(x, norm_in)
-            q, k, v = F.linear(h, qkv_w).split([q_size, kv_size, kv_size], -1)
-            q = q.view(batch, n, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k.view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
+            q, k, v = F.linear(h, qkv_w, qkv_b).split([q_size, kv_size, kv_size], -1)
+            q = q.view(total, self.num_heads, self.head_dim)
+            k = k.view(total, self.num_kv_heads, self.head_dim)
+            q = (q * cos + _rotate_half(q) * sin).transpose(0, 1)[None]  # [1, heads, T, head_dim]
             k = k * cos + _rotate_half(k) * sin
-            if past is not None:
-                k = torch.cat([past[index][0], k], 2)
-                v = torch.cat([past[index][1], v], 2)
-            new_layers.append((k, v))
-            attention = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
-            )
-            x = x + F.linear(attention.transpose(1, 2).reshape(batch, n, q_size), o_w)
+            new_kv = torch.stack([k, v.view(total, self.num_kv_heads, self.head_dim)]).transpose(1, 2)
+            # Every row writes before any row reads: rows of a token tree share one buffer.
+            for target, source in zip(targets, new_kv.split(sizes, 2)):
+                target[index].copy_(source)
+            outputs = [
+                F.scaled_dot_product_attention(query, row_keys[index], row_values[index], attn_mask=mask, enable_gqa=gqa)
+                for query, row_keys, row_values, mask in zip(q.split(sizes, 2), keys, values, masks)
+            ]  # each [1, heads, n, head_dim]
+            attention = outputs[0] if len(outputs) == 1 else torch.cat(outputs, 2)
+            x = x + F.linear(attention[0].transpose(0, 1).reshape(total, q_size), o_w)
             h = self._rms_norm(x, norm_post)
             gate, up = F.linear(h, gate_up_w).chunk(2, -1)
             x = x + F.linear(F.silu(gate) * up, down_w)
-        logits = F.linear(self._rms_norm(x, self.norm), self.lm_head)
-        return logits, new_layers
+        if last is None:
+            return None, None
+        hidden = self._rms_norm(x[last], self.norm)  # the lm_head only where logits are wanted
+        return F.linear(hidden, self.lm_head).float(), hidden
+
+    def token_logits(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The logits of ``tokens`` [N] (int64, < V) after final hidden states ``hidden`` [N, hidden]:
+        [N] float32, without the full [N, V] product."""
+        return (hidden.float() * self.lm_head[tokens].float()).sum(-1)
+
+
+def _bottom_right_causal(n: int, keys: int, device) -> torch.Tensor:
+    """[n, keys] bool: new token j (at key keys - n + j) sees every key up to itself."""
+    return torch.arange(keys, device=device)[None, :] <= torch.arange(keys - n, keys, device=device)[:, None]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,10 @@
-"""Draft-side sampling with the request's own processing, so q is the distribution drafted from."""
+"""Draft-side sampling with the request's own processing, so q is the distribution drafted from.
+
+q stays float32 (it is what vLLM's rejection sampler receives as draft probabilities, [.., V]
+float32), but every draw is exact with respect to q's float64 values: a float32 cumulative sum
+over a large vocabulary rounds away the mass of small tokens once the running sum passes 0.5
+(at V = 152k, up to ~3e-4 of the mass could never be drawn, all of it on high token ids).
+"""
 
 from __future__ import annotations
 
@@ -42,37 +48,68 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of ``probs``."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
 def processed_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """:func:`processed_probs` for a batch [B, V] whose rows have their own parameters."""
-    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     rows_by_params: dict[SamplingParams, list[int]] = {}
     for row, p in enumerate(params):
         rows_by_params.setdefault(p, []).append(row)
+    if len(rows_by_params) == 1:
+        return processed_probs(logits, params[0])  # one group: no gather and scatter
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for p, rows in rows_by_params.items():
         index = torch.tensor(rows, device=logits.device)
         out[index] = processed_probs(logits[index], p)
     return out
 
 
-def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row, drawn from that row's probabilities by inverting its CDF with one
-    uniform (far cheaper than per-token noise over a whole vocabulary). Rows with a generator
-    draw their uniform from it."""
-    cdf = probs.cumsum(-1)
-    uniform = torch.rand(probs.shape[0], 1, device=probs.device)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            uniform[row] = torch.rand(1, generator=generator, device=probs.device)
-    tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1)
-    tokens = tokens.clamp_(max=probs.shape[-1] - 1)
-    # Rounding at the very top of the CDF can land past the last token with probability > 0.
-    missed = probs.gather(-1, tokens[:, None]).squeeze(-1) <= 0
-    if missed.any():
-        last_nonzero = probs.shape[-1] - 1 - (probs > 0).flip(-1).float().argmax(-1)
-        tokens = torch.where(missed, last_nonzero, tokens)
+def cdf_rows(probs: torch.Tensor) -> torch.Tensor:
+    """Float64 running sums of ``probs`` [B, V] (any float dtype) -> [B, V] float64.
+
+    Token i owns the points in [cdf[i-1], cdf[i]) (0 before token 0), an interval whose length is
+    q_i to within one float64 rounding (~1e-16), so every token with q > 0 is reachable with
+    its own probability and a token with q = 0 owns an empty interval.
+    """
+    return probs.double().cumsum(-1)  # same values as cumsum(dtype=float64), and faster on CPU
+
+
+def invert_cdf(cdf: torch.Tensor, points: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """The tokens owning ``points`` [B, K] (float64, in [0, cdf[:, -1]]) under ``cdf`` [B, V] from
+    :func:`cdf_rows`: for each point u the i with cdf[i-1] <= u < cdf[i]. Returns [B, K] int64.
+
+    ``probs`` [B, V] is only read on the ~2^-53-probability path where a point lands on the
+    row's total itself (a uniform of 1 - 2^-53 rounded up): it goes to the last token with q > 0.
+    """
+    tokens = torch.searchsorted(cdf, points, right=True)
+    past_end = tokens >= cdf.shape[-1]
+    if past_end.any():
+        last_nonzero = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
+        tokens = torch.where(past_end, last_nonzero, tokens)
     return tokens
+
+
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V] (float32 q), exactly from q / sum(q): [B] int64.
+
+    Inverse CDF in float64 with one float64 uniform per row (53 random bits): far cheaper than
+    per-token noise over a whole vocabulary. Rows with a generator draw their uniform from it
+    (seeded requests), the others from torch's default generator.
+    """
+    uniform = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)
+    seeded = [row for row, generator in enumerate(generators) if generator is not None]
+    if seeded:
+        uniform[torch.tensor(seeded, device=probs.device)] = torch.cat([
+            torch.rand(1, dtype=torch.float64, generator=generators[row], device=probs.device) for row in seeded
+        ])
+    cdf = cdf_rows(probs)
+    points = uniform[:, None] * cdf[:, -1:]  # q sums to 1 only to float32 accuracy: draw q / sum(q)
+    return invert_cdf(cdf, points, probs).squeeze(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` [..., V], every row drawing from ``generator``; [...] int64.
+
+    Same exact float64 inversion as :func:`sample_rows` (``torch.multinomial`` draws a single
+    sample by racing float32 exponentials, which discretises small probabilities).
+    """
+    flat = probs.reshape(-1, probs.shape[-1])
+    return sample_rows(flat, [generator] * flat.shape[0]).reshape(probs.shape[:-1])

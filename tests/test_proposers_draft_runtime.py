@@ -142,3 +142,227 @@ def test_lean_forward_is_not_used_where_it_does_not_apply(random_target):
     config.attention_bias = True
     runtime_.model.config = config
     assert not LeanLlama.supports(runtime_.model)
+
+
+# -- KV buffers: written in place, grown in chunks --------------------------------------------
+
+
+@torch.no_grad()
+def full_forward_logits(rt: DraftRuntime, tokens: list[int]) -> torch.Tensor:
+    """Next-token logits from a cache-free transformers forward of the whole context [V]."""
+    return rt.model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+
+
+def test_kv_buffers_are_written_in_place_and_grow_in_chunks():
+    """A step writes the new tokens into the request's buffer and a rollback moves its length:
+    the buffer is the same tensor step after step until it is full, then grows by half,
+    rounded up to the chunk. The budget counts capacity."""
+    rt = DraftRuntime(DRAFT, target_vocab_size=VOCAB)
+    config = rt.model.config
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4  # float32
+    ctx = context(100, seed=20)
+    rt.draft("kv", ctx, 3, GREEDY)
+    buffer = rt._caches["kv"].kv
+    assert buffer.shape[3] == rt.kv_chunk_tokens == 256
+    assert rt.cache_bytes == 256 * per_token
+    for step in range(30):
+        draft = rt.draft("kv", ctx, 3, GREEDY)
+        ctx = ctx + draft.token_ids[: step % 3] + [5]  # 0-2 accepted: rollbacks of 2-0 tokens
+        assert rt._caches["kv"].kv.data_ptr() == buffer.data_ptr()
+    assert len(ctx) < 256
+    ctx = ctx + context(150, seed=21)
+    rt.draft("kv", ctx, 3, GREEDY)
+    assert rt._caches["kv"].kv.shape[3] == 512  # max(needed, 1.5 * 256) rounded up to the chunk
+    assert rt.cache_bytes == 512 * per_token
+    fresh = DraftRuntime(DRAFT, target_vocab_size=VOCAB).draft("kv", ctx, 3, GREEDY)
+    assert rt.draft("kv", ctx, 3, GREEDY).token_ids == fresh.token_ids
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_rows_extend_on_their_own(lean):
+    """extend(rows=...) forwards only the rows given, and each row's cache keeps what it forwarded."""
+    rt = DraftRuntime(os.path.join(REPO_ROOT, "models", "demo", "draft-small"), target_vocab_size=VOCAB,
+                      lean_forward=lean)
+    contexts = [context(30, seed=22), context(12, seed=23), context(50, seed=24)]
+    batch = rt.open_batch(["a", "b", "c"], contexts)
+    before = rt.tokens_forwarded
+    logits = batch.extend([17, 23], rows=[0, 2])
+    assert logits.shape == (2, VOCAB) and batch.rows == [0, 2] and rt.tokens_forwarded - before == 2
+    torch.testing.assert_close(logits[0], full_forward_logits(rt, contexts[0] + [17]), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1], full_forward_logits(rt, contexts[2] + [23]), atol=2e-4, rtol=1e-4)
+    logits = batch.extend([5], rows=[2])
+    torch.testing.assert_close(logits[0], full_forward_logits(rt, contexts[2] + [23, 5]), atol=2e-4, rtol=1e-4)
+    batch.close()
+    before = rt.tokens_forwarded
+    nexts = [contexts[0] + [17, 1], contexts[1] + [1], contexts[2] + [23, 5, 1]]
+    again = rt.open_batch(["a", "b", "c"], nexts)
+    assert rt.tokens_forwarded - before == 3
+    for row, ctx in enumerate(nexts):
+        torch.testing.assert_close(again.logits[row], full_forward_logits(rt, ctx), atol=2e-4, rtol=1e-4)
+    again.close()
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_branches_use_scratch_entries_and_leave_the_cache_alone(lean):
+    """Token-tree rows share their request's buffer (scratch entries, masked per row), also when
+    extended; afterwards the cache holds exactly the context."""
+    rt = DraftRuntime(os.path.join(REPO_ROOT, "models", "demo", "draft-small"), target_vocab_size=VOCAB,
+                      lean_forward=lean)
+    ctx = context(40, seed=25)
+    paths = [[5], [9, 11], [5, 6, 7]]
+    batch = rt.open_batch(["t"], [ctx])
+    batch.close()
+    from vllm_specplugin.proposers.draft_runtime import DraftBatch
+
+    branches = DraftBatch.branches(rt, "t", ctx, paths)
+    for row, path in enumerate(paths):
+        torch.testing.assert_close(branches.logits[row], full_forward_logits(rt, ctx + path), atol=2e-4, rtol=1e-4)
+    extended = branches.extend([1, 2], rows=[2, 0])
+    torch.testing.assert_close(extended[0], full_forward_logits(rt, ctx + paths[2] + [1]), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(extended[1], full_forward_logits(rt, ctx + paths[0] + [2]), atol=2e-4, rtol=1e-4)
+    branches.close()
+    before = rt.tokens_forwarded
+    after = rt.open_batch(["t"], [ctx + [3]])
+    assert rt.tokens_forwarded - before == 1
+    torch.testing.assert_close(after.logits[0], full_forward_logits(rt, ctx + [3]), atol=2e-4, rtol=1e-4)
+    after.close()
+
+
+def test_a_request_is_in_a_batch_once(runtime):
+    with pytest.raises(ValueError, match="only once"):
+        runtime.open_batch(["x", "x"], [[1, 2], [1, 2]])
+
+
+def test_solo_prefill_threshold_is_a_parameter(tmp_path):
+    """Rows with more new tokens than the threshold are prefilled first, so a prompt shared by
+    two rows of one batch is forwarded once; above the threshold both rows forward it."""
+    prompt = context(40, seed=26)
+    forwarded, hits = {}, {}
+    for threshold in (16, 1000):
+        rt = DraftRuntime(DRAFT, target_vocab_size=VOCAB, prefix_sharing=True, solo_prefill_threshold=threshold)
+        rt.open_batch(["a", "b"], [prompt, prompt + [7]]).close()
+        forwarded[threshold], hits[threshold] = rt.tokens_forwarded, rt.prefix_cache.hit_tokens
+    # Default: "a" prefills 39 alone (2 whole blocks shared), "b" starts from 32 shared tokens.
+    assert (forwarded[16], hits[16]) == (39 + 1 + 9, 32)
+    assert (forwarded[1000], hits[1000]) == (40 + 41, 0)
+    with pytest.raises(ValueError, match="solo_prefill_threshold"):
+        DraftRuntime(DRAFT, solo_prefill_threshold=-1)
+
+
+# -- lean forward coverage: GQA, Qwen2 (qkv bias), llama3 RoPE ------------------------------
+
+
+def _tiny_checkpoint(path, kind: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+        with torch.no_grad():  # random biases, so that leaving them out shows
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_()
+    elif kind == "llama3-rope":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope))
+    elif kind == "linear-rope":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                         "factor": 4.0}))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2", "llama3-rope", "linear-rope"])
+def test_lean_forward_covers_more_llama_family_drafts(tmp_path, kind):
+    path = _tiny_checkpoint(tmp_path / kind, kind)
+    lean = DraftRuntime(path, target_vocab_size=VOCAB)
+    plain = DraftRuntime(path, target_vocab_size=VOCAB, lean_forward=False)
+    assert lean.lean is not None and plain.lean is None
+    contexts = [context(37, seed=27), context(5, seed=28), context(90, seed=29)]  # past 64: llama3's bands
+    batches = [rt.open_batch(["a", "b", "c"], contexts) for rt in (lean, plain)]
+    torch.testing.assert_close(batches[0].logits, batches[1].logits, atol=1e-4, rtol=1e-4)
+    for token in (3, 99):
+        torch.testing.assert_close(
+            batches[0].extend([token] * 3), batches[1].extend([token] * 3), atol=1e-4, rtol=1e-4
+        )
+    torch.testing.assert_close(batches[0].logits[2], full_forward_logits(plain, contexts[2] + [3, 99]),
+                               atol=1e-4, rtol=1e-4)
+
+
+# -- vocabulary: a draft whose vocabulary is a prefix of the target's --------------------------
+
+
+@pytest.fixture(scope="module")
+def prefix_draft(tmp_path_factory) -> str:
+    """A 1-layer random Llama over the first 500 ids of random_target's 512-id word vocabulary
+    (same tokens for ids < 500)."""
+    from vllm_specplugin.models.random_llama import make_random_llama
+
+    return str(make_random_llama(tmp_path_factory.mktemp("models") / "draft500", vocab_size=500, num_layers=1,
+                                 seed=3))
+
+
+def test_prefix_vocabulary_is_padded_with_zeros(random_target, prefix_draft):
+    from vllm_specplugin.proposers.base import DraftRequest
+    from vllm_specplugin.proposers.ensemble import EnsembleProposer
+
+    rt = DraftRuntime(prefix_draft, target_vocab_size=512, target_name="random target", target_path=random_target)
+    assert (rt.vocab_size, rt.draft_vocab_size) == (512, 500)
+    params = SamplingParams(temperature=2.0)  # flat: padded ids would be drawn if they had mass
+    generator = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(30)
+    drawn = set()
+    for i in range(40):
+        ctx = rng.integers(3, 512, size=20).tolist()  # target ids the draft lacks included
+        draft = rt.draft(f"p{i}", ctx, 4, params, generator)
+        assert draft.probs.shape == (4, 512)
+        assert bool((draft.probs[:, 500:] == 0).all()) and bool((draft.probs[:, :500] > 0).all())
+        drawn.update(draft.token_ids)
+    assert max(drawn) < 500 and len(drawn) > 100
+    proposer = EnsembleProposer([rt])
+    out = proposer.propose([DraftRequest("e", rng.integers(3, 512, size=30).tolist(), 3, params, generator)])[0]
+    assert out.probs.shape == (3, 512) and bool((out.probs[:, 500:] == 0).all()) and max(out.token_ids) < 500
+
+
+def test_target_path_defaults_to_a_target_name_that_is_a_directory(random_target, prefix_draft):
+    """vLLM's adapter passes the target's model path as target_name."""
+    assert DraftRuntime(prefix_draft, target_vocab_size=512, target_name=random_target).vocab_size == 512
+
+
+def test_draft_larger_than_the_target_is_refused(random_target):
+    with pytest.raises(DraftModelError, match=r"vocabulary size 512, but small-target has 500: a draft may not"):
+        DraftRuntime(random_target, target_vocab_size=500, target_name="small-target")
+
+
+def test_disagreeing_tokenizers_are_refused(tmp_path, random_target, prefix_draft):
+    import json
+    import shutil
+
+    other = tmp_path / "draft500-other"
+    shutil.copytree(prefix_draft, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["w10"], vocab["w11"] = vocab["w11"], vocab["w10"]  # ids 13 and 14 swapped
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(DraftModelError, match=r"vocabulary size 500, but tgt has 512, and the draft's vocabulary "
+                                              r"is not a prefix of the target's \(id 13 is 'w11' for the draft"):
+        DraftRuntime(str(other), target_vocab_size=512, target_name="tgt", target_path=random_target)
+
+
+def test_missing_tokenizer_files_require_equal_sizes(tmp_path, random_target, prefix_draft):
+    import shutil
+
+    bare = tmp_path / "draft500-bare"
+    shutil.copytree(prefix_draft, bare)
+    for name in os.listdir(bare):
+        if name.startswith(("tokenizer", "special_tokens")):
+            os.remove(bare / name)
+    with pytest.raises(DraftModelError, match=r"needs both tokenizers to compare, and none could be read for the draft"):
+        DraftRuntime(str(bare), target_vocab_size=512, target_name="tgt", target_path=random_target)
+    with pytest.raises(DraftModelError, match=r"none could be read for the target \(no-such-model\)"):
+        DraftRuntime(prefix_draft, target_vocab_size=512, target_name="no-such-model")

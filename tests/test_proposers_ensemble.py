@@ -181,3 +181,90 @@ def test_branch_distributions_equal_full_forwards():
     before = runtimes[0].tokens_forwarded
     proposer.root_distribution("t", ctx + [3])
     assert runtimes[0].tokens_forwarded - before == 1
+
+
+def test_rows_stop_at_their_own_gamma():
+    """A row leaves the batched forward once it has its γ tokens: it is never extended past its
+    γ, nor past the draft's maximum length (a row the length clips)."""
+    rt = runtime("draft-tiny")
+    proposer = EnsembleProposer([rt])
+    near_end = context(rt.max_length - 2, seed=30)  # room for 2 draft tokens
+    requests = [
+        DraftRequest("one", context(20, seed=31), 1),
+        DraftRequest("five", context(25, seed=32), 5),
+        DraftRequest("end", near_end, 5),
+    ]
+    before = rt.tokens_forwarded
+    drafts = proposer.propose(requests)
+    assert [len(d.token_ids) for d in drafts] == [1, 5, 2]
+    # Each row forwards its context, then one token per drafted token but its last.
+    assert rt.tokens_forwarded - before == (20 + 0) + (25 + 4) + (rt.max_length - 2 + 1)
+    for request, draft in zip(requests, drafts):
+        cached = len(rt._caches[request.request_id].cached_tokens)
+        assert cached == len(request.context) + len(draft.token_ids) - 1 <= rt.max_length
+
+
+def _log_likelihoods(runtimes, ctx: list[int], emitted: list[int]) -> torch.Tensor:
+    """Σ_j log softmax(draft d's logits after ctx + emitted[:j])[emitted[j]], per draft [D]."""
+    return torch.tensor([
+        sum(float(full_forward_logits(rt, ctx + emitted[:j]).log_softmax(-1)[token]) for j, token in enumerate(emitted))
+        for rt in runtimes
+    ])
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_adaptive_weights_score_exactly_from_compact_state(lean):
+    """The weight update sees each draft's exact log-probability of the emitted tokens, the
+    target's own token at the rejected position included, from what it kept per request (no
+    [γ, D, V] distributions), and that state counts in each draft's memory budget."""
+    runtimes = [runtime("draft-distill"), runtime("draft-tiny", lean_forward=lean)]
+    proposer = EnsembleProposer(runtimes, adapt_weights=True, forgetting=0.0, min_weight=0.0)
+    ctx = context(15, seed=40)
+    params = SamplingParams(temperature=1.0)
+    draft = proposer.propose([DraftRequest("s", ctx, 4, params, torch.Generator().manual_seed(0))])[0]
+    hidden = runtimes[0].model.config.hidden_size
+    assert runtimes[0].resident_bytes == 4 * (8 + hidden * 4)  # float32 hidden states
+    assert runtimes[1].resident_bytes == 4 * (8 + (hidden * 4 if lean else VOCAB * 4))
+    assert runtimes[0].total_bytes == runtimes[0].cache_bytes + runtimes[0].resident_bytes
+    # Two accepted, then the target's own token: positions 0 and 1 score drafted tokens, 2 another.
+    emitted = draft.token_ids[:2] + [(draft.token_ids[2] + 1) % VOCAB]
+    proposer.propose([DraftRequest("s", ctx + emitted, 4, params, torch.Generator().manual_seed(1))])
+    expected = _log_likelihoods(runtimes, ctx, emitted)
+    weights = proposer.weights
+    # With a uniform prior, no forgetting and no floor, log(w0 / w1) is the log-likelihood gap.
+    assert abs(float((weights[0] / weights[1]).log()) - float(expected[0] - expected[1])) < 2e-3
+    proposer.free("s")
+    assert runtimes[0].resident_bytes == runtimes[1].resident_bytes == 0
+
+
+def test_forgetting_and_min_weight_are_parameters():
+    """Weights after two verdicts of 4 verified tokens each, against log-likelihoods from full
+    forwards: forgetting f scales the older evidence by (1 - f) per newly verified token, and
+    min_weight floors the weights before they are renormalised."""
+    runtimes = [runtime("draft-distill"), runtime("draft-tiny")]
+    prior = torch.tensor([0.8, 0.2])  # the mixture follows draft-distill: a clear evidence gap
+    ctx = context(15, seed=41)
+
+    def expected(log_evidence: torch.Tensor, min_weight: float) -> torch.Tensor:
+        posterior = prior * torch.softmax(log_evidence, 0)
+        floored = (posterior / posterior.sum()).clamp_min(min_weight)
+        return floored / floored.sum()
+
+    for forgetting, min_weight in [(0.0, 0.0), (0.5, 0.0), (0.0, 0.4)]:
+        proposer = EnsembleProposer(runtimes, prior.tolist(), adapt_weights=True, forgetting=forgetting,
+                                    min_weight=min_weight)
+        first = proposer.propose([DraftRequest("f", ctx, 4)])[0].token_ids
+        emitted_1 = first[:3] + [(first[3] + 1) % VOCAB]  # three accepted, then the target's own token
+        second = proposer.propose([DraftRequest("f", ctx + emitted_1, 4)])[0].token_ids
+        after_one = proposer.weights.clone()
+        emitted_2 = second[:3] + [(second[3] + 1) % VOCAB]
+        proposer.propose([DraftRequest("f", ctx + emitted_1 + emitted_2, 4)])
+        evidence_1 = _log_likelihoods(runtimes, ctx, emitted_1)
+        evidence_2 = _log_likelihoods(runtimes, ctx + emitted_1, emitted_2)
+        torch.testing.assert_close(after_one, expected(evidence_1, min_weight), atol=2e-3, rtol=0)
+        torch.testing.assert_close(
+            proposer.weights, expected((1 - forgetting) ** 4 * evidence_1 + evidence_2, min_weight), atol=2e-3, rtol=0
+        )
+        proposer.free("f")
+    with pytest.raises(ValueError, match="forgetting"):
+        EnsembleProposer(runtimes, forgetting=1.0)

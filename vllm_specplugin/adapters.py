@@ -128,7 +128,7 @@ class MultiDraftProposer(_CustomClassAdapter):
                 path,
                 target_vocab_size=self.target_vocab_size,
                 target_name=str(model_config.model),
-                target_path=str(model_config.model),
+                target_path=str(getattr(model_config, "tokenizer", None) or model_config.model),  # vLLM's resolved tokenizer
                 dtype=self.config.draft_dtype,
                 device=str(device),
                 memory_budget_mb=budget,
