@@ -17,7 +17,14 @@ from dataclasses import asdict, dataclass, field
 from vllm_specplugin.verification.drivers import REPO_ROOT
 from vllm_specplugin.server import VllmServer, metric_total
 
-DEMO = os.path.join(REPO_ROOT, "models", "demo")
+MODELS = os.path.join(REPO_ROOT, "models")
+DEMO = os.path.join(MODELS, "demo")  # the small family: a 4.46 M target (compute-bound on CPU)
+DEMO_MB = os.path.join(MODELS, "demo-mb")  # the memory-bound family: a 31.5 M target grown from it
+
+
+def model_path(name: str) -> str:
+    """A demo checkpoint: "draft-distill" is in the small family; "demo-mb/draft" names its family."""
+    return os.path.join(MODELS, name) if "/" in name else os.path.join(DEMO, name)
 PLUGIN_PROPOSER = "vllm_specplugin.adapters.MultiDraftProposer"
 
 
@@ -45,7 +52,7 @@ def plugin_config(name: str, drafts: list[str], gamma: int = 3, **plugin_options
     return ServedConfig(
         name,
         {"method": "custom_class", "model": PLUGIN_PROPOSER, "num_speculative_tokens": gamma},
-        {"specplugin": {"drafts": [os.path.join(DEMO, d) for d in drafts], **plugin_options}},
+        {"specplugin": {"drafts": [model_path(d) for d in drafts], **plugin_options}},
     )
 
 
@@ -53,7 +60,7 @@ def builtin_draft_model_config(draft: str, gamma: int = 3) -> ServedConfig:
     """vLLM's own draft_model method (probabilistic drafts; exact on CPU with the plugin's repair)."""
     return ServedConfig(
         f"vllm draft_model[{draft}]",
-        {"method": "draft_model", "model": os.path.join(DEMO, draft), "num_speculative_tokens": gamma,
+        {"method": "draft_model", "model": model_path(draft), "num_speculative_tokens": gamma,
          "draft_sample_method": "probabilistic"},
     )
 
@@ -230,10 +237,10 @@ def record_benchmark(benchmark, results: list[WorkloadResult], result: WorkloadR
     benchmark.extra_info["accepted_per_position"] = result.accepted_per_position
 
 
-def served_fixture(configs: list):
-    """A module-scoped pytest fixture that serves the demo target once per configuration, in order
-    (plain first, so that every speedup has its baseline from the same run). Entries may be
-    ``pytest.param(config, marks=...)``."""
+def served_fixture(configs: list, target: str = os.path.join(DEMO, "target")):
+    """A module-scoped pytest fixture that serves ``target`` (default: the small demo target) once
+    per configuration, in order (plain first, so that every speedup has its baseline from the same
+    run). Entries may be ``pytest.param(config, marks=...)``."""
     import pytest
 
     def name(config) -> str:
@@ -242,7 +249,7 @@ def served_fixture(configs: list):
     @pytest.fixture(scope="module", params=configs, ids=[name(c) for c in configs])
     def served(request):
         config = request.param
-        server = config.server(os.path.join(DEMO, "target"))
+        server = config.server(target)
         with server:
             run_workload(server, config, ["def main():\n"] * 2, batch=2, temperature=1.0, max_tokens=8)  # warm-up
             yield config, server
