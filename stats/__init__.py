@@ -9,8 +9,8 @@ from .gof import (Binning, GofResult, counts_from_samples, gof_test, probability
                   williams_q)
 from .homogeneity import HomogeneityResult, homogeneity_test
 from .multitest import holm, holm_reject
-from .power import (chisquare_power, cohens_w, min_detectable_tv, power_for_tv,
-                    sample_size_for_tv)
+from .power import (chain_power, chain_power_for_tv, chisquare_power, cohens_w,
+                    min_detectable_tv, power_for_tv, sample_size_for_tv)
 from .speedup import (AcceptanceResult, acceptance_rate, empirical_acceptance,
                       expected_speedup, expected_tokens_per_step, optimal_gamma)
 from .tv import TvResult, tv_distance, tv_estimate
@@ -18,7 +18,7 @@ from .tv import TvResult, tv_distance, tv_estimate
 __all__ = [
     "AcceptanceResult", "Binning", "ChainResult", "GofResult", "HomogeneityResult",
     "NodeResult", "TvResult",
-    "acceptance_rate", "chain_test", "chisquare_power", "cohens_w",
+    "acceptance_rate", "chain_power", "chain_power_for_tv", "chain_test", "chisquare_power", "cohens_w",
     "combine_chain_results", "counts_from_samples", "empirical_acceptance",
     "expected_speedup", "expected_tokens_per_step", "gof_test", "holm",
     "holm_reject", "homogeneity_test", "min_detectable_tv", "optimal_gamma",

@@ -1,8 +1,10 @@
 """Chain-rule exactness test over sampled sequences.
 
 A sampler is exact iff, at every prefix, the next-token distribution equals
-the exact conditional. We build the prefix tree of the observed sequences and
-run :func:`~stats.gof.gof_test` on the next-token counts of each node.
+the exact conditional. We build the prefix tree of the observed sequences,
+check at EVERY node that each sampled next token is possible (exact
+probability > 0), and run :func:`~stats.gof.gof_test` on the next-token
+counts of each node with enough samples.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ Conditional = Callable[[tuple[int, ...]], np.ndarray] | Mapping[tuple[int, ...],
 
 @dataclass(frozen=True)
 class NodeResult:
-    """GOF result at one prefix-tree node (TV and its CI are over the bins)."""
+    """Result at one prefix-tree node (TV and its CI are over the bins).
+
+    ``support_only`` nodes (fewer than ``min_node_samples`` samples, beyond
+    ``max_nodes``, or every node of a ``support_only`` test) were checked for
+    impossible tokens only: ``df = 0``, ``testable = False``, ``pvalue`` 1 (0
+    with an impossible token), ``tv`` and its CI NaN.
+    """
 
     position: int
     prefix: tuple[int, ...]
@@ -39,11 +47,18 @@ class NodeResult:
     impossible_count: int
     testable: bool
     prompt_index: int = 0
+    support_only: bool = False
 
 
 @dataclass(frozen=True)
 class ChainResult:
-    """Global chain-rule test: sum of node statistics ~ chi2(sum df) under H0."""
+    """Global chain-rule test: sum of node statistics ~ chi2(sum df) under H0.
+
+    ``n_tokens`` sampled tokens were checked for support (every token that
+    does not follow an impossible one); ``support_only`` is True when no
+    chi-square contributes (``df = 0``): the verdict is the support check
+    alone, e.g. greedy decoding.
+    """
 
     statistic: float
     df: int
@@ -51,15 +66,26 @@ class ChainResult:
     nodes: tuple[NodeResult, ...]
     method: str
     impossible_count: int
-    truncated: bool  # max_nodes stopped the traversal early
+    truncated: bool  # max_nodes left nodes to the support check only
+    n_tokens: int = 0
 
     @property
     def n_nodes(self) -> int:
+        """Nodes visited (every node's sampled tokens were checked for support)."""
         return len(self.nodes)
 
+    @property
+    def n_chi2_nodes(self) -> int:
+        """Nodes the chi-square visited (those with one bin add df 0)."""
+        return sum(1 for nd in self.nodes if not nd.support_only)
 
-def _candidate_nodes(samples: np.ndarray, depth: int, min_node_samples: int):
-    """Yield ``(n, t, prefix, next_tokens)`` for every prefix with enough samples.
+    @property
+    def support_only(self) -> bool:
+        return self.df == 0
+
+
+def _candidate_nodes(samples: np.ndarray, depth: int):
+    """Yield ``(n, t, prefix, next_tokens)`` for every prefix of the samples.
 
     Group ids are refined one position at a time; ``np.unique`` on
     (parent id, token) keys keeps groups in lexicographic prefix order.
@@ -75,7 +101,7 @@ def _candidate_nodes(samples: np.ndarray, depth: int, min_node_samples: int):
         order = np.argsort(gid, kind="stable")
         sizes = np.bincount(gid)
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        for g in np.nonzero(sizes >= min_node_samples)[0]:
+        for g in np.nonzero(sizes)[0]:
             idx = order[starts[g]:starts[g] + sizes[g]]
             prefix = tuple(int(x) for x in samples[idx[0], :t])
             out.append((int(sizes[g]), t, prefix, samples[idx, t]))
@@ -99,27 +125,47 @@ def _apply_holm(nodes: list[NodeResult]) -> list[NodeResult]:
     return out
 
 
+def _support_node(t, prefix, n, toks, probs) -> NodeResult:
+    """A node checked for impossible tokens only."""
+    in_vocab = toks < probs.size
+    bad = int(np.count_nonzero(~in_vocab)) + int(np.count_nonzero(probs[toks[in_vocab]] <= 0))
+    nan = float("nan")
+    return NodeResult(t, prefix, n, float("inf") if bad else 0.0, 0, 0.0 if bad else 1.0, 1.0,
+                      nan, nan, nan, bad, False, support_only=True)
+
+
 def chain_test(samples, conditional: Conditional, method: str = "pearson", *,
                min_expected: float = 5.0, williams: bool = True,
                max_depth: int | None = None, min_node_samples: int = 10,
-               max_nodes: int | None = None,
+               max_nodes: int | None = None, support_only: bool = False,
                tv_ci: bool = True, n_boot: int = 200, confidence: float = 0.95,
                seed=0) -> ChainResult:
     """Test sampled continuations ``samples`` (shape ``(N, m)``) node by node.
 
     ``conditional(prefix)`` (or ``conditional[prefix]`` for a mapping) returns
     the exact next-token probabilities given the prompt plus ``prefix``.
-    Nodes with fewer than ``min_node_samples`` samples are not visited (use 1
-    for an exhaustive support check); at most ``max_nodes`` nodes are visited,
-    most-sampled first (ties: shallower, then lexicographic prefix).
-    Descendants of a prefix containing an impossible token are not queried.
+
+    Support: EVERY node of the sampled tree is visited and each sampled next
+    token with exact probability 0 (or an id beyond the vocabulary) is an
+    impossible token: the global p-value is then 0, whatever the sample size
+    (one sample suffices). Descendants of a prefix containing an impossible
+    token are not queried (their tokens are not counted in ``n_tokens``).
+
+    Chi-square: only nodes with at least ``min_node_samples`` samples, at most
+    ``max_nodes`` of them, most-sampled first (ties: shallower, then
+    lexicographic prefix); the others are support-only nodes. With
+    ``support_only=True`` no chi-square is computed (for deterministic
+    samplers, e.g. greedy decoding, where the support check is the test).
+
+    No data is no evidence: samples with no token to check raise
+    ``ValueError`` rather than pass.
 
     Under H0, given the parent counts, each node's counts are multinomial and
     independent of its siblings, so the sum of node statistics is compared to
     chi2(sum of df). Node selection and bins depend only on ancestors' counts;
     the approximation is checked by the calibration tests. ``method`` and
     ``williams`` are as in :func:`~stats.gof.gof_test`. Per-node p-values
-    are Holm-corrected; any impossible token makes the global p-value 0.
+    are Holm-corrected over the nodes that carry evidence.
     """
     s = np.asarray(samples)
     if s.ndim != 2 or (s.size and not np.issubdtype(s.dtype, np.integer)):
@@ -129,23 +175,36 @@ def chain_test(samples, conditional: Conditional, method: str = "pearson", *,
     if min_node_samples < 1:
         raise ValueError("min_node_samples must be >= 1")
     depth = s.shape[1] if max_depth is None else min(int(max_depth), s.shape[1])
+    if s.shape[0] == 0 or depth <= 0:
+        raise ValueError(f"no sampled token to check (samples of shape {s.shape}, depth {depth}): "
+                         "a check that visits no data cannot pass")
     get = conditional.__getitem__ if isinstance(conditional, Mapping) else conditional
     rng = np.random.default_rng(seed)
 
-    cands = _candidate_nodes(s.astype(np.int64), depth, min_node_samples) if s.shape[0] else []
+    cands = _candidate_nodes(s.astype(np.int64), depth)
     # Parents sort before children (n_parent >= n_child, shallower on ties).
     cands.sort(key=lambda c: (-c[0], c[1], c[2]))
-    truncated = max_nodes is not None and len(cands) > max_nodes
-    if truncated:
-        cands = cands[:max_nodes]
+    eligible = 0 if support_only else sum(1 for c in cands if c[0] >= min_node_samples)
+    truncated = max_nodes is not None and eligible > max_nodes
+    chi2_left = eligible if max_nodes is None else min(eligible, max_nodes)
 
     tainted: set[tuple[int, ...]] = set()  # prefixes through an impossible token
     nodes: list[NodeResult] = []
+    n_tokens = 0
     for n, t, prefix, toks in cands:
         if prefix[:-1] in tainted or prefix in tainted:
             tainted.add(prefix)
             continue
         probs = np.asarray(get(prefix), dtype=np.float64)
+        n_tokens += n
+        if n < min_node_samples or chi2_left == 0:
+            nd = _support_node(t, prefix, n, toks, probs)
+            if nd.impossible_count:
+                tainted.update(prefix + (int(k),) for k in np.unique(toks)
+                               if k >= probs.size or probs[k] <= 0)
+            nodes.append(nd)
+            continue
+        chi2_left -= 1
         counts = np.bincount(toks, minlength=probs.size)
         if counts.size > probs.size:  # token ids beyond the vocab are impossible
             probs = np.pad(probs, (0, counts.size - probs.size))
@@ -165,7 +224,7 @@ def chain_test(samples, conditional: Conditional, method: str = "pearson", *,
     imp = sum(nd.impossible_count for nd in nodes)
     ev = [nd for nd in nodes if nd.testable and not nd.impossible_count]
     stat, df, p = _global([nd.statistic for nd in ev], [nd.df for nd in ev], imp)
-    return ChainResult(stat, df, p, tuple(nodes), method, imp, truncated)
+    return ChainResult(stat, df, p, tuple(nodes), method, imp, truncated, n_tokens)
 
 
 def combine_chain_results(results: Sequence[ChainResult]) -> ChainResult:
@@ -182,4 +241,4 @@ def combine_chain_results(results: Sequence[ChainResult]) -> ChainResult:
     ev = [nd for nd in nodes if nd.testable and not nd.impossible_count]
     stat, df, p = _global([nd.statistic for nd in ev], [nd.df for nd in ev], imp)
     return ChainResult(stat, df, p, tuple(nodes), methods.pop(), imp,
-                       any(r.truncated for r in results))
+                       any(r.truncated for r in results), sum(r.n_tokens for r in results))

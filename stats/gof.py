@@ -141,12 +141,14 @@ def gof_test(counts, probs, method: str = "pearson", min_expected: float = 5.0, 
     count in a zero-probability category is an exactness violation, not noise:
     ``impossible_count > 0`` forces ``statistic=inf`` and ``pvalue=0``.
 
-    Calibration (tests/stats/test_calibration.py): with many bins at expected
-    counts near 5, raw G is anti-conservative (its mean exceeds df by about
-    ``sum_b 1/(6 n p_b)``): 8-10% rejections at alpha=0.05 with 419 bins.
-    So G is divided by Williams' ``q`` unless ``williams=False`` (then ~6%);
-    Pearson, the default, needs no correction at ``min_expected=5``.
-    ``min_expected < 5`` is miscalibrated for both methods.
+    Calibration (tests/stats/test_stats_calibration.py): with many bins at
+    expected counts near 5, raw G is anti-conservative (its mean exceeds df by
+    about ``sum_b 1/(6 n p_b)``): 8-10% rejections at alpha=0.05 with 419 bins
+    (``test_finding_raw_g_anticonservative_with_many_sparse_bins``). So G is
+    divided by Williams' ``q`` unless ``williams=False`` (with it: ~6%);
+    Pearson, the default, needs no correction at ``min_expected=5``
+    (``test_gof_null_uniform_pvalues``). ``min_expected < 5`` is miscalibrated
+    for both methods (``test_finding_min_expected_below_5_is_miscalibrated``).
     """
     if method not in _METHODS:
         raise ValueError(f"method must be one of {sorted(_METHODS)}")

@@ -75,7 +75,9 @@ def tv_estimate(counts, probs, *, over: str = "bins", min_expected: float = 5.0,
     is small" claims, but the interval does not cover the truth at its nominal
     rate (measured: 64 bins, n=5000, true TV 0.05 -> coverage 0.00; 8 bins,
     n=500 -> 0.75). Do not read a lower end > 0 as a detected fault -- use
-    the GOF p-value for that. ``over="bins"`` (default) measures TV over the
+    the GOF p-value for that. (``verification.check`` therefore reports no
+    interval: its worst node is also selected by its p-value, which biases
+    the plug-in further up.) ``over="bins"`` (default) measures TV over the
     :func:`~stats.gof.probability_bins` bins, which is far less biased but is a
     lower bound on category-level TV; ``over="categories"`` uses raw tokens.
     Counts in zero-probability categories count fully as TV in both modes.

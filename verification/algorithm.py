@@ -53,6 +53,12 @@ accepts too often), residual unchanged.
 uses ``fault_arg(prefix)`` instead, e.g. q at another temperature.
 ``"ignore_temperature"``: verification uses ``fault_arg(prefix)`` (e.g. the unprocessed T=1 target)
 instead of ``p_fn`` (the target at the request's temperature), which stays the reference.
+``"accept_all"``: every draft is accepted whatever the target says (the bonus token is honest).
+
+``speculative_token_law`` is the closed form of the law of the token emitted at one drafted
+position (the first token of a step, and, for these position-independent rules, any later
+drafted position given the emitted prefix), vectorised over rows: what the statistical tier uses
+to compute a fault's effect at the engine's actual contexts.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ MIN_TEMPERATURE = 1e-2  # vllm.sampling_params._MAX_TEMP: 0 < T < this is raised
 Prefix = tuple[int, ...]
 DistFn = Callable[[Prefix], np.ndarray]
 
-FAULTS = (None, "resample_from_p", "lossy_threshold", "wrong_q", "ignore_temperature")
+FAULTS = (None, "resample_from_p", "lossy_threshold", "wrong_q", "ignore_temperature", "accept_all")
 MODES = ("probabilistic", "onehot")
 
 
@@ -209,6 +215,8 @@ def chain_output_distribution(
                     tau = fault_arg if fault == "lossy_threshold" else 1.0
                     accept = min(1.0, p[x] / (tau * q[x]))
                 residual = np.maximum(p - q, 0.0)
+            if fault == "accept_all":
+                accept = 1.0
             if fault == "resample_from_p":
                 residual = p
             if accept > 0:
@@ -223,6 +231,52 @@ def chain_output_distribution(
 
     step((), 0, 1.0)
     return dict(out)
+
+
+def speculative_token_law(p, q, *, mode: str = "probabilistic", fault: str | None = None,
+                          fault_arg=None) -> np.ndarray:
+    """Law of the token emitted at a drafted position, in closed form, row-wise (float64).
+
+    ``p``: the target (processed) at that context, ``q``: the draft's sampling distribution there
+    (arrays ``[..., V]``). The draft ``x ~ q`` is accepted with probability ``a(x)``; otherwise the
+    token comes from the residual ``r``: the law is ``q * a + (1 - sum(q * a)) * r``. Rules as in
+    :func:`chain_output_distribution` (``fault_arg`` is an array here: the verification q for
+    ``"wrong_q"``, the verification target for ``"ignore_temperature"``, tau for
+    ``"lossy_threshold"``). An empty residual falls back to ``p``, as there. Equal to the first-token
+    marginal of :func:`chain_output_distribution` (tested); honest rules give ``p``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}")
+    p = np.asarray(p, dtype=np.float64)
+    q = np.asarray(q, dtype=np.float64)
+    if p.shape != q.shape:
+        raise ValueError("p and q must have the same shape")
+    verify_p = np.asarray(fault_arg, dtype=np.float64) if fault == "ignore_temperature" else p
+    if mode == "onehot":
+        # Accept x with probability p(x); otherwise y ~ p with x removed (renormalised).
+        accept = np.ones_like(p) if fault == "accept_all" else verify_p
+        rejected = q * (1.0 - accept)
+        if fault == "resample_from_p":
+            return q * accept + rejected.sum(-1, keepdims=True) * verify_p
+        rest = 1.0 - verify_p
+        # sum_x rejected[x] / rest[x] * (verify_p with x removed) = verify_p * (sum w - w)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            w = np.where(rest > 0, rejected / np.where(rest > 0, rest, 1.0), 0.0)
+        stuck = np.where(rest > 0, 0.0, rejected).sum(-1, keepdims=True)  # empty residual
+        return q * accept + verify_p * (w.sum(-1, keepdims=True) - w) + stuck * verify_p
+    q_verify = np.asarray(fault_arg, dtype=np.float64) if fault == "wrong_q" else q
+    tau = float(fault_arg) if fault == "lossy_threshold" else 1.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(q_verify > 0, verify_p / (tau * np.where(q_verify > 0, q_verify, 1.0)), 0.0)
+    accept = np.ones_like(p) if fault == "accept_all" else np.minimum(1.0, ratio)
+    accepted = q * accept
+    reject_mass = 1.0 - accepted.sum(-1, keepdims=True)
+    residual = verify_p if fault == "resample_from_p" else np.maximum(verify_p - q_verify, 0.0)
+    total = residual.sum(-1, keepdims=True)
+    residual = np.where(total > 0, residual / np.where(total > 0, total, 1.0), verify_p)
+    return accepted + np.clip(reject_mass, 0.0, None) * residual
 
 
 # ----------------------------------------------------------------------------------------------

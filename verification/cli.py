@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="JSON list of token-id lists")
     parser.add_argument("--random-prompts", type=int, default=4,
                         help="number of random-token prompts when no prompt is given")
+    parser.add_argument("--greedy-prompts", type=int, default=32,
+                        help="T = 0 cases (one continuation per prompt, as vLLM requires): number of "
+                             "random-token prompts of 4-48 tokens when no prompt is given")
+    parser.add_argument("--greedy-tokens", type=int, default=32,
+                        help="T = 0 cases: tokens per continuation; every one must be the reference argmax")
     parser.add_argument("--alpha", type=float, default=0.01, help="suite-level significance (Holm)")
     parser.add_argument("--delta", type=float, default=0.1, help="TV distance to report power for")
     parser.add_argument("--method", choices=["pearson", "g"], default="pearson")
@@ -59,27 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.tokens < 1 or args.samples < 1:
-        sys.exit("--tokens and --samples must be >= 1")
+    if args.tokens < 1 or args.samples < 1 or args.greedy_tokens < 1 or args.greedy_prompts < 1:
+        sys.exit("--tokens, --samples, --greedy-tokens and --greedy-prompts must be >= 1")
     if args.prompt_ids is not None:
-        prompts = args.prompt_ids
+        prompts = greedy_prompts = args.prompt_ids
     elif args.prompt:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        prompts = [tokenizer(p)["input_ids"] for p in args.prompt]
+        prompts = greedy_prompts = [tokenizer(p)["input_ids"] for p in args.prompt]
     else:
         from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(args.model).vocab_size
         prompts = random_prompts(vocab, args.random_prompts, seed=args.seed)
+        greedy_prompts = random_prompts(vocab, args.greedy_prompts, length=(4, 48), seed=args.seed + 1)
     samplings = [
+        SamplingConfig(temperature=0.0, max_tokens=args.greedy_tokens, n=1, seed=None) if t == 0 else
         SamplingConfig(temperature=t, top_k=args.top_k, top_p=args.top_p, max_tokens=args.tokens,
                        n=args.samples, seed=args.seed)
         for t in args.temperature
     ]
     report = run_check(
-        args.model, samplings, prompts, speculative_config=args.speculative_config,
+        args.model, samplings, prompts, greedy_prompts=greedy_prompts, speculative_config=args.speculative_config,
         additional_config=args.additional_config, alpha=args.alpha, delta=args.delta,
         method=args.method, max_model_len=args.max_model_len, driver=args.driver,
     )

@@ -33,6 +33,19 @@ def _difference(after: dict, before: dict) -> dict:
     return diff
 
 
+def _sampling_params(cls, sp: dict, prompt_index: int):
+    return cls(
+        n=sp["n"],
+        temperature=sp["temperature"],
+        top_k=sp.get("top_k", 0) or -1,
+        top_p=sp.get("top_p", 1.0),
+        max_tokens=sp["max_tokens"],
+        # ignore_eos alone: min_tokens would mask EOS and change the distribution.
+        ignore_eos=True,
+        seed=None if sp.get("seed") is None else sp["seed"] + prompt_index,
+    )
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -56,20 +69,14 @@ def run(job: dict) -> dict:
         sp = task["sampling"]
         before = _spec_decode_counters(llm)
         t1 = time.perf_counter()
-        outputs = []
-        for prompt_index, prompt in enumerate(task["prompts"]):
-            params = SamplingParams(
-                n=sp["n"],
-                temperature=sp["temperature"],
-                top_k=sp.get("top_k", 0) or -1,
-                top_p=sp.get("top_p", 1.0),
-                max_tokens=sp["max_tokens"],
-                # ignore_eos alone: min_tokens would mask EOS and change the distribution.
-                ignore_eos=True,
-                seed=None if sp.get("seed") is None else sp["seed"] + prompt_index,
-            )
-            result = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-            outputs.append([list(c.token_ids) for c in result.outputs])
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in task["prompts"]]
+        if sp["n"] == 1:
+            # One continuation per prompt (greedy): all prompts in one batch.
+            results = llm.generate(prompts, [_sampling_params(SamplingParams, sp, i) for i in range(len(prompts))], use_tqdm=False)
+        else:
+            # Many continuations per prompt: one prompt at a time (n requests each).
+            results = [llm.generate([p], _sampling_params(SamplingParams, sp, i), use_tqdm=False)[0] for i, p in enumerate(prompts)]
+        outputs = [[list(c.token_ids) for c in result.outputs] for result in results]
         tasks.append(
             {
                 "outputs": outputs,

@@ -23,10 +23,13 @@ def test_tree_nodes_order_and_counts():
     assert [(nd.position, nd.prefix, nd.n) for nd in r.nodes] == [
         (0, (), 4), (1, (0,), 3), (1, (1,), 1)]
     assert calls == [(), (0,), (1,)]
+    # min_node_samples only gates the chi-square: the node (1,) with one sample is still
+    # visited, as a support-only node.
     r = chain_test(s, _uniform_provider(3), min_node_samples=2, tv_ci=False)
-    assert [nd.prefix for nd in r.nodes] == [(), (0,)]
+    assert [(nd.prefix, nd.support_only) for nd in r.nodes] == [((), False), ((0,), False), ((1,), True)]
+    assert r.n_chi2_nodes == 2 and r.n_tokens == 8
     r = chain_test(s, _uniform_provider(3), min_node_samples=1, max_depth=1, tv_ci=False)
-    assert [nd.prefix for nd in r.nodes] == [()]
+    assert [nd.prefix for nd in r.nodes] == [()] and r.n_tokens == 4
 
 
 def test_global_is_sum_of_nodes_and_holm():
@@ -41,10 +44,10 @@ def test_global_is_sum_of_nodes_and_holm():
     root = r.nodes[0]
     ref = gof_test(np.bincount(s[:, 0], minlength=6), src.init)
     assert root.prefix == () and root.statistic == pytest.approx(ref.statistic)
-    assert all(nd.tv_ci_low <= nd.tv_ci_high for nd in r.nodes)
+    assert all(nd.tv_ci_low <= nd.tv_ci_high for nd in r.nodes if not nd.support_only)
     # deterministic given the seed
     r2 = chain_test(s, src.conditional, n_boot=100)
-    assert [nd.tv_ci_high for nd in r.nodes] == [nd.tv_ci_high for nd in r2.nodes]
+    np.testing.assert_array_equal([nd.tv_ci_high for nd in r.nodes], [nd.tv_ci_high for nd in r2.nodes])
 
 
 def test_mapping_provider_equals_callable():
@@ -81,8 +84,11 @@ def test_max_nodes_visits_most_sampled_first():
     s = src.sample(np.random.default_rng(3), (500,), 3)
     full = chain_test(s, src.conditional, tv_ci=False)
     capped = chain_test(s, src.conditional, max_nodes=5, tv_ci=False)
-    assert capped.truncated and not full.truncated and capped.n_nodes == 5
-    assert [nd.prefix for nd in capped.nodes] == [nd.prefix for nd in full.nodes[:5]]
+    assert capped.truncated and not full.truncated and capped.n_chi2_nodes == 5
+    chi2 = [nd.prefix for nd in capped.nodes if not nd.support_only]
+    assert chi2 == [nd.prefix for nd in full.nodes[:5]]
+    # the nodes beyond the cap are still checked for support
+    assert capped.n_nodes == full.n_nodes and capped.n_tokens == full.n_tokens == s.size
     ns = [nd.n for nd in full.nodes]
     assert ns == sorted(ns, reverse=True)
 
@@ -102,6 +108,54 @@ def test_combine_chain_results():
     assert all(first[nd.prefix] >= nd.pvalue_holm for nd in rs[0].nodes)
     with pytest.raises(ValueError):
         combine_chain_results([rs[0], chain_test(np.zeros((20, 1), int), src.conditional, "g")])
+
+
+def test_support_is_checked_at_every_node_whatever_its_size():
+    # Greedy-like data: one sample per prompt, so every node has n = 1 (below
+    # min_node_samples). An impossible token deep in the sequence must fail the test.
+    zero_at = {5: 7}  # after 5 tokens, token 7 is impossible
+
+    def cond(prefix):
+        p = np.full(10, 0.1)
+        if len(prefix) in zero_at:
+            p[zero_at[len(prefix)]] = 0.0
+        return p / p.sum()
+
+    ok = np.arange(32).reshape(1, 32) % 10
+    ok[0, 5] = 3
+    r = chain_test(ok, cond, tv_ci=False)
+    assert r.pvalue == 1.0 and r.impossible_count == 0 and r.df == 0
+    assert r.n_tokens == 32 and r.n_nodes == 32 and all(nd.support_only for nd in r.nodes)
+    bad = ok.copy()
+    bad[0, 5] = 7
+    r = chain_test(bad, cond, tv_ci=False)
+    assert r.pvalue == 0.0 and r.impossible_count == 1 and r.statistic == np.inf
+    assert r.n_tokens == 6  # the tokens after the impossible one are not queried
+    (worst,) = [nd for nd in r.nodes if nd.impossible_count]
+    assert worst.prefix == tuple(bad[0, :5]) and worst.pvalue_holm == 0.0
+    # same with the samples spread over several prompts (combined)
+    rs = [chain_test(x, cond, tv_ci=False) for x in (ok, bad, ok)]
+    c = combine_chain_results(rs)
+    assert c.pvalue == 0.0 and c.n_tokens == 32 + 6 + 32
+
+
+def test_support_only_mode():
+    src = MarkovSource()
+    s = src.sample(np.random.default_rng(8), (400,), 3)
+    r = chain_test(s, src.conditional, support_only=True)
+    assert r.support_only and r.df == 0 and r.pvalue == 1.0 and r.n_chi2_nodes == 0
+    assert r.n_tokens == s.size and all(nd.support_only for nd in r.nodes)
+    full = chain_test(s, src.conditional, tv_ci=False)
+    assert not full.support_only and r.n_nodes == full.n_nodes
+
+
+def test_no_data_fails_rather_than_passes():
+    src = MarkovSource()
+    for empty in (np.zeros((0, 3), dtype=int), np.zeros((5, 0), dtype=int)):
+        with pytest.raises(ValueError, match="no sampled token"):
+            chain_test(empty, src.conditional)
+    with pytest.raises(ValueError, match="no sampled token"):
+        chain_test(np.zeros((5, 2), dtype=int), src.conditional, max_depth=0)
 
 
 @pytest.mark.statistical

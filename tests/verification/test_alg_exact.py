@@ -14,9 +14,13 @@ What the tests establish:
   prefix-only hazard.
 * Honest one-hot verification (vLLM with ``draft_probs=None``) is exact for ANY draft rule:
   deterministic (argmax of a draft model, repeat-the-last-token) or sampled from any distribution.
-* Each fault (resample from p, lossy threshold, wrong q, ignored temperature) is NOT exact on
-  explicit small cases, with the size of the deviation checked against a closed form, so the
-  criterion is shown to have teeth.
+* Each fault (resample from p, lossy threshold, wrong q, ignored temperature, accept all) is NOT
+  exact on explicit small cases, with the size of the deviation checked against a closed form, so
+  the criterion is shown to have teeth.
+* ``speculative_token_law``, the closed form the statistical tier uses to compute a fault's effect
+  at the engine's contexts, equals the enumerated first-token marginal for every rule and fault,
+  and, for a position-independent rule, the enumerated law of every later drafted position given
+  the emitted prefix.
 """
 
 from __future__ import annotations
@@ -305,7 +309,8 @@ def test_process_logits_conventions():
 
 
 @pytest.mark.parametrize("fault,arg", [("resample_from_p", None), ("lossy_threshold", 0.8),
-                                       ("wrong_q", "T*1.5"), ("ignore_temperature", "T=1")])
+                                       ("wrong_q", "T*1.5"), ("ignore_temperature", "T=1"),
+                                       ("accept_all", None)])
 def test_faults_are_caught_on_generic_cases(fault, arg):
     """Not just hand-picked cases: on 40 generic (full-support, seeded) Markov cases every fault
     shows a deviation > 1e-4 in criterion (*), while the honest rule shows <= 1e-12."""
@@ -324,3 +329,56 @@ def test_faults_are_caught_on_generic_cases(fault, arg):
         assert alg.exactness_deviation(honest, p_fn, vocab) <= ATOL
         bad = alg.chain_output_distribution(p_fn, q_fn, gamma, fault=fault, fault_arg=fault_arg)
         assert alg.exactness_deviation(bad, p_fn, vocab) > 1e-4
+
+
+RULES = [(None, None), ("resample_from_p", None), ("lossy_threshold", 0.5), ("wrong_q", "q2"),
+         ("ignore_temperature", "p2"), ("accept_all", None)]
+
+
+@pytest.mark.parametrize("mode", alg.MODES)
+def test_closed_form_token_law_equals_enumeration(mode):
+    """First token of a step: closed form == enumeration, on 150 seeded cases with zeros in p and q."""
+    rng = np.random.default_rng(99)
+    for case in range(150):
+        vocab = int(rng.integers(2, 6))
+        p, q = rng.dirichlet(np.full(vocab, 0.7)), rng.dirichlet(np.full(vocab, 0.7))
+        if case % 3 == 0:
+            p[rng.integers(vocab)] = 0.0
+        if case % 4 == 0:
+            q[rng.integers(vocab)] = 0.0
+        p, q = p / p.sum(), q / q.sum()
+        other = {"q2": rng.dirichlet(np.ones(vocab)), "p2": rng.dirichlet(np.ones(vocab))}
+        for fault, arg in RULES:
+            if mode == "onehot" and fault in ("wrong_q", "lossy_threshold"):
+                continue  # no q in one-hot verification
+            value = other.get(arg, arg)
+            fn_arg = (lambda s, v=value: v) if arg in other else value
+            dist = alg.chain_output_distribution(lambda s: p, lambda s: q, 2, mode=mode, fault=fault,
+                                                 fault_arg=fn_arg)
+            closed = alg.speculative_token_law(p, q, mode=mode, fault=fault, fault_arg=value)
+            np.testing.assert_allclose(closed, alg.first_token_distribution(dist, vocab), atol=ATOL,
+                                       err_msg=f"{mode} {fault}")
+    # honest rules give p exactly
+    np.testing.assert_allclose(alg.speculative_token_law(p, q, mode=mode), p, atol=ATOL)
+
+
+def test_closed_form_holds_at_later_drafted_positions():
+    """Given the emitted prefix s (|s| < gamma), a drafted position's token has the closed-form law at
+    the context s: so a fault's law at every speculative position of the engine's output is
+    ``speculative_token_law(p(s), q(s))`` (what ``verification.check.speculative_law`` uses)."""
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        vocab, gamma = int(rng.integers(3, 5)), 3
+        t_logits, d_logits = rng.normal(0, 1.5, (vocab + 1, vocab)), rng.normal(0, 1.5, (vocab + 1, vocab))
+        p_fn = alg.markov_fn([alg.process_logits(r, 0.8) for r in t_logits])
+        q_fn = alg.markov_fn([alg.softmax(r) for r in d_logits])
+        q2_fn = alg.markov_fn([alg.softmax(2.0 * r) for r in d_logits])
+        for fault, arg, arg_at in [("resample_from_p", None, lambda s: None),
+                                   ("lossy_threshold", 0.5, lambda s: 0.5),
+                                   ("wrong_q", q2_fn, q2_fn)]:
+            dist = alg.chain_output_distribution(p_fn, q_fn, gamma, fault=fault, fault_arg=arg)
+            for s, law in alg.next_token_conditionals(dist, vocab).items():
+                if len(s) >= gamma:
+                    continue  # the bonus position: honest (p), beyond the statistical tier's m
+                closed = alg.speculative_token_law(p_fn(s), q_fn(s), fault=fault, fault_arg=arg_at(s))
+                np.testing.assert_allclose(law, closed, atol=1e-10, err_msg=f"{fault} {s}")
