@@ -150,13 +150,6 @@ def verify_growth(small, big, ids: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
 def streams(tok) -> tuple[torch.Tensor, torch.Tensor]:
     files = corpus_mod.load()
     train = tok_mod.encode_docs(tok, [f.text for f in files if not f.heldout])
@@ -272,6 +265,8 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from .build import load_checkpoint, save_checkpoint
+    from .train import _lr_at as lr_at
+    from .train import make_optimizer
 
     tok = tok_mod.load_tokenizer(DEMO_DIR / TARGET)
     train_stream, held = streams(tok)
@@ -304,11 +299,7 @@ def main(argv=None) -> int:
         st["grown_heldout_loss"] = M.heldout_loss(big, eval_w)
         log(f"held-out loss small {st['small_heldout_loss']:.4f}, grown {st['grown_heldout_loss']:.4f}")
     big.train()
-    decay = [p for p in big.parameters() if p.ndim >= 2]
-    no_decay = [p for p in big.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = make_optimizer(big, args.lr)
     if st.get("opt"):
         opt.load_state_dict(st["opt"])
     g = torch.Generator().manual_seed(1234)
@@ -322,7 +313,7 @@ def main(argv=None) -> int:
     t_seg = time.time()
     for step in bar:
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, args.lr, warmup)
+            group["lr"] = lr_at(step, steps, args.lr, warmup)  # step < steps: same as the small family's schedule
         starts = torch.randint(0, hi, (args.batch,), generator=g)
         xy = train_stream[starts[:, None] + torch.arange(args.seq + 1)[None, :]].long()
         logits = big(input_ids=xy[:, :-1]).logits

@@ -90,6 +90,16 @@ def _lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def make_optimizer(model, lr: float) -> torch.optim.AdamW:
+    """AdamW with weight decay 0.1 on matrices only (norms and biases are not decayed)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+
+
 def batches(stream: torch.Tensor, spec: Spec, steps: int):
     """Random windows of ``seq+1`` tokens from the train stream, seeded."""
     g = torch.Generator().manual_seed(spec.seed + 1_000_003)
@@ -108,13 +118,7 @@ def train(spec: Spec, tok, stream: torch.Tensor, teacher=None, init=None, log=pr
     model.train()
     steps = max(1, spec.tokens // (spec.batch * spec.seq))
     warmup = max(1, min(200, steps // 10))
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        (no_decay if p.ndim < 2 else decay).append(p)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=spec.lr, betas=(0.9, 0.95), eps=1e-8,
-    )
+    opt = make_optimizer(model, spec.lr)
     if spec.objective == "kl":
         assert teacher is not None
         teacher.eval()
