@@ -257,6 +257,16 @@ def served_fixture(configs: list, target: str = os.path.join(DEMO, "target")):
     return served
 
 
+def benchmark_throughput(benchmark, results, served, prompts, *, batch: int, temperature: float, max_tokens: int):
+    """:func:`benchmark_workload`, plus: a fixed-γ configuration must actually have drafted."""
+    result = benchmark_workload(
+        benchmark, results, served, prompts, batch=batch, temperature=temperature, max_tokens=max_tokens
+    )
+    if served[0].gamma and "adaptive" not in served[0].name:
+        assert result.drafts > 0
+    return result
+
+
 def benchmark_workload(
     benchmark, results, served, prompts, *, batch: int, temperature: float, max_tokens: int, rounds: int | None = None
 ):
