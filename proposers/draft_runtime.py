@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_specplugin.proposers.base import Draft  # noqa: F401  (re-exported)
-from vllm_specplugin.proposers.lean_llama import LeanLlama, RowAttention
+from vllm_specplugin.proposers.lean_llama import LeanLlama, LinearFactory, RowAttention
 from vllm_specplugin.proposers.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
 
@@ -147,6 +147,7 @@ class DraftRuntime:
         device: str = "cpu",
         memory_budget_mb: float = 512,
         lean_forward: bool = True,
+        make_linear: LinearFactory | None = None,
         prefix_sharing: bool = False,
         prefix_block_size: int = DEFAULT_BLOCK_SIZE,
         solo_prefill_threshold: int = SOLO_PREFILL_THRESHOLD,
@@ -173,7 +174,10 @@ class DraftRuntime:
         self.device = torch.device(device)
         self.model = load_causal_lm(path, dtype, device)
         # Llama drafts skip transformers' per-call overhead (same math; see proposers/lean_llama.py).
-        self.lean = LeanLlama(self.model) if lean_forward and LeanLlama.supports(self.model) else None
+        # ``make_linear``: how the lean forward multiplies by its weights (default F.linear).
+        self.lean = (
+            LeanLlama(self.model, make_linear) if lean_forward and LeanLlama.supports(self.model) else None
+        )
         num_heads = config.num_attention_heads
         self._kv_geometry = (
             config.num_hidden_layers,

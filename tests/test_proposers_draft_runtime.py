@@ -131,6 +131,61 @@ def test_lean_llama_forward_equals_transformers(name):
         )
 
 
+def test_lean_forward_with_grouped_query_attention(tmp_path):
+    """Grouped-query attention (2 KV heads for 4 query heads), prefill and one-token decode steps
+    (the decode step's own attention path): transformers' logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    lean = DraftRuntime(str(tmp_path), target_vocab_size=VOCAB)
+    plain = DraftRuntime(str(tmp_path), target_vocab_size=VOCAB, lean_forward=False)
+    assert lean.lean is not None and lean.lean.num_kv_heads == 2
+    batches = [rt.open_batch(["a", "b"], [context(20, seed=15), context(7, seed=16)]) for rt in (lean, plain)]
+    torch.testing.assert_close(batches[0].logits, batches[1].logits, atol=1e-4, rtol=1e-4)
+    for token in (3, 99, 7):
+        torch.testing.assert_close(batches[0].extend([token] * 2), batches[1].extend([token] * 2), atol=1e-4, rtol=1e-4)
+
+
+def test_lean_rope_table_grows_for_long_contexts(monkeypatch):
+    """A draft whose positions outrun the precomputed RoPE table extends it (long-context models
+    start with a short table), and its logits still equal transformers'."""
+    from vllm_specplugin.proposers import lean_llama
+
+    monkeypatch.setattr(lean_llama, "ROPE_TABLE_POSITIONS", 16)
+    path = os.path.join(REPO_ROOT, "models", "demo", "draft-small")
+    lean = DraftRuntime(path, target_vocab_size=VOCAB)
+    plain = DraftRuntime(path, target_vocab_size=VOCAB, lean_forward=False)
+    assert lean.lean.rope_cos.shape[0] == 16
+    ctx = context(40, seed=13)
+    logits = [rt.open_batch(["a"], [ctx]).logits for rt in (lean, plain)]
+    assert lean.lean.rope_cos.shape[0] >= 40
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+def test_lean_forward_takes_a_linear_factory():
+    """Every matrix product of the lean forward goes through ``make_linear`` (the vLLM adapter
+    passes oneDNN's prepacked products there): a factory that counts its calls sees them all."""
+    from vllm_specplugin.proposers.lean_llama import torch_linear
+
+    made, calls = [], []
+
+    def counting(weight):
+        made.append(tuple(weight.shape))
+        inner = torch_linear(weight)
+        return lambda x: calls.append(1) or inner(x)
+
+    path = os.path.join(REPO_ROOT, "models", "demo", "draft-small")
+    rt = DraftRuntime(path, target_vocab_size=VOCAB, make_linear=counting)
+    layers = rt.model.config.num_hidden_layers
+    assert len(made) == 4 * layers + 1  # qkv, o, gate_up, down per layer, and the lm_head
+    reference = DraftRuntime(path, target_vocab_size=VOCAB).open_batch(["a"], [context(9, seed=14)]).logits
+    torch.testing.assert_close(rt.open_batch(["a"], [context(9, seed=14)]).logits, reference)
+    assert len(calls) == 4 * layers + 1
+
+
 def test_lean_forward_is_not_used_where_it_does_not_apply(random_target):
     from transformers import AutoConfig
 

@@ -45,7 +45,20 @@ def check_vllm_internals() -> list[str]:
     expand_src = inspect.getsource(rejection_sampler.expand_batch_to_tokens)
     need("_expand(" in expand_src, "expand_batch_to_tokens launches _expand")
     _check_runner_shim_internals(need)
+    _check_draft_gemm_internals(need)
     return problems
+
+
+def _check_draft_gemm_internals(need) -> None:
+    """vllm_specplugin.fast_linear: the drafts' oneDNN products are vLLM's own CPU GEMM ops."""
+    from vllm import _custom_ops as ops
+
+    need(hasattr(ops, "_supports_onednn"), "vllm._custom_ops._supports_onednn")
+    create = list(inspect.signature(ops.create_onednn_mm).parameters) if hasattr(ops, "create_onednn_mm") else []
+    need(create[:2] == ["weight", "primitive_cache_size"],
+         f"vllm._custom_ops.create_onednn_mm(weight [K, N], primitive_cache_size), got {create}")
+    mm = list(inspect.signature(ops.onednn_mm).parameters) if hasattr(ops, "onednn_mm") else []
+    need(mm[:3] == ["dnnl_handler", "x", "bias"], f"vllm._custom_ops.onednn_mm(dnnl_handler, x, bias), got {mm}")
 
 
 def _check_runner_shim_internals(need) -> None:

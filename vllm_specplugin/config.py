@@ -42,6 +42,10 @@ class SpecPluginConfig:
     draft_weights: tuple[float, ...] | None = None
     # dtype the drafts run in.
     draft_dtype: str = "float32"
+    # How the drafts' lean forward multiplies by its weights: "onednn" (vLLM's prepacked CPU GEMM,
+    # about 2x faster for a draft at batch 1), "torch" (F.linear), or "auto" (oneDNN for float32
+    # and bfloat16 drafts on CPU where this vLLM has it, else torch).
+    draft_gemm: str = "auto"
     # Memory budget for the drafts' per-request KV caches, in MiB (shared by all drafts).
     draft_memory_budget_mb: int = 512
     # Adapt the mixture weights online from each draft's measured agreement with the target.
@@ -103,6 +107,10 @@ class SpecPluginConfig:
             values["draft_weights"] = _weights(raw["draft_weights"])
         if "draft_dtype" in raw:
             values["draft_dtype"] = _choice(raw, "draft_dtype", DRAFT_DTYPES)
+        if "draft_gemm" in raw:
+            from vllm_specplugin.fast_linear import DRAFT_GEMMS
+
+            values["draft_gemm"] = _choice(raw, "draft_gemm", DRAFT_GEMMS)
         if "draft_memory_budget_mb" in raw:
             values["draft_memory_budget_mb"] = _positive_int(raw, "draft_memory_budget_mb")
         if raw.get("adaptive_gamma") is not None:
