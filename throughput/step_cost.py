@@ -7,6 +7,17 @@ plain decoding's (γ = 0): r(γ) = step time with γ draft tokens / plain step t
 (vLLM's default on CPU) and eager (``--eager``). ``--profile`` adds a cProfile table of the
 spec-decode step, so the time beyond one forward pass can be attributed.
 
+``--proposer plugin`` / ``--proposer draft_model`` time the same steps with a real draft
+(``--draft DIR``, default the memory-bound family's): the plugin's proposer or vLLM's own
+draft_model method. With ``--profile`` that is the step profile of issue 12: one plugin step
+against one vLLM draft_model step with the same draft, split into draft forwards, sampling,
+q hand-off and verification. Steps then carry ``tokens per step`` (accepted drafts + 1).
+
+Threads: the engine here runs in this process, where vLLM does not bind OpenMP threads; a
+served engine on this machine binds its worker to the cores vLLM does not reserve for the API
+server (``VLLM_CPU_OMP_THREADS_BIND=auto``: all but one). ``--threads`` (default: that same
+count) keeps the two comparable.
+
 Each configuration runs in a fresh subprocess (vLLM's compile caches and kernel registry are
 per process); within it, rounds of ``--tokens`` tokens after a warm-up, best round kept (the
 machine is shared and noisy).
@@ -24,12 +35,30 @@ import time
 from vllm_specplugin.server import REPO_ROOT, engine_env
 
 REPEAT = "vllm_specplugin.adapters.RepeatLastTokenProposer"
+PLUGIN = "vllm_specplugin.adapters.MultiDraftProposer"
+PROPOSERS = ("free", "plugin", "draft_model")
 
 
-def _engine(model: str, gamma: int, eager: bool, extra: dict):
+def served_threads() -> int:
+    """OpenMP threads of a served engine's worker here: vLLM's auto binding reserves one CPU
+    for the API server process (world size 1)."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def _engine(model: str, gamma: int, eager: bool, extra: dict, proposer: str = "free", draft: str | None = None):
     from vllm import LLM
 
-    spec = None if gamma == 0 else {"method": "custom_class", "model": REPEAT, "num_speculative_tokens": gamma}
+    extra = dict(extra or {})
+    if gamma == 0:
+        spec = None
+    elif proposer == "free":
+        spec = {"method": "custom_class", "model": REPEAT, "num_speculative_tokens": gamma}
+    elif proposer == "plugin":
+        spec = {"method": "custom_class", "model": PLUGIN, "num_speculative_tokens": gamma}
+        extra.setdefault("specplugin", {}).setdefault("drafts", [draft])
+    else:
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": gamma,
+                "draft_sample_method": "probabilistic"}
     return LLM(model=model, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.3,
                speculative_config=spec, enforce_eager=eager, seed=0, enable_prefix_caching=False,
                additional_config=extra or {}, disable_log_stats=True)
@@ -40,8 +69,12 @@ def _measure(job: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    import torch
+
+    torch.set_num_threads(job.get("threads") or served_threads())
     t0 = time.perf_counter()
-    llm = _engine(job["model"], job["gamma"], job["eager"], job.get("additional_config"))
+    llm = _engine(job["model"], job["gamma"], job["eager"], job.get("additional_config"),
+                  job.get("proposer", "free"), job.get("draft"))
     startup = time.perf_counter() - t0
     engine = llm.llm_engine
     step_times: list[float] = []
@@ -82,16 +115,19 @@ def _measure(job: dict) -> dict:
                 "steps": len(step_times) - 1,
                 "tokens": tokens,
                 "median_step_s": decode[len(decode) // 2],
+                "tokens_per_step": (tokens - 1) / max(1, len(step_times) - 1),
                 "mean_step_s": sum(decode) / len(decode),
             })
     return {"startup_s": startup, "rounds": rounds, "profile": profile_text}
 
 
 def run_config(model: str, gamma: int, eager: bool, tokens: int, rounds: int, prompt_len: int,
-               profile: bool = False, additional_config: dict | None = None, timeout: float = 1200) -> dict:
+               profile: bool = False, additional_config: dict | None = None, timeout: float = 1200,
+               proposer: str = "free", draft: str | None = None, threads: int | None = None) -> dict:
     job = dict(model=model, gamma=gamma, eager=eager, tokens=tokens, rounds=rounds, prompt_len=prompt_len,
-               profile=profile, additional_config=additional_config)
-    env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+               profile=profile, additional_config=additional_config, proposer=proposer, draft=draft,
+               threads=threads or served_threads())
+    env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(job["threads"])}
     proc = subprocess.run([sys.executable, "-m", "vllm_specplugin.throughput.step_cost", "--child", json.dumps(job)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     marker = "STEP_COST_RESULT "
@@ -111,6 +147,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--profile", action="store_true", help="print a cProfile table of each config's last round")
+    ap.add_argument("--proposer", choices=PROPOSERS, default="free",
+                    help="free: drafts cost nothing (r alone); plugin: the plugin's proposer with --draft; "
+                         "draft_model: vLLM's own draft_model method with --draft")
+    ap.add_argument("--draft", help="draft checkpoint dir (default: the memory-bound family's draft)")
+    ap.add_argument("--additional-config", type=json.loads, default=None,
+                    help='JSON for --additional-config, e.g. \'{"specplugin": {"draft_gemm": "torch"}}\'')
+    ap.add_argument("--threads", type=int, default=None,
+                    help=f"OpenMP threads (default {served_threads()}: what a served engine's worker gets here)")
     ap.add_argument("--out", default=os.path.join(REPO_ROOT, "runs", "step_cost"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -121,26 +165,35 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     model = args.model or os.path.join(REPO_ROOT, "models", "demo-mb", "target")
+    draft = args.draft or os.path.join(REPO_ROOT, "models", "demo-mb", "draft")
     results = {}
     for gamma in tqdm(args.gammas, desc="r by gamma", unit="engine"):
-        res = run_config(model, gamma, args.eager, args.tokens, args.rounds, args.prompt_len, args.profile)
-        best = min(r["median_step_s"] for r in res["rounds"])
-        results[gamma] = {"best_median_step_ms": best * 1e3, "startup_s": res["startup_s"], "rounds": res["rounds"]}
+        res = run_config(model, gamma, args.eager, args.tokens, args.rounds, args.prompt_len, args.profile,
+                         args.additional_config, proposer=args.proposer, draft=draft, threads=args.threads)
+        best_round = min(res["rounds"], key=lambda r: r["median_step_s"])
+        results[gamma] = {"best_median_step_ms": best_round["median_step_s"] * 1e3,
+                          "tokens_per_step": best_round.get("tokens_per_step"),
+                          "startup_s": res["startup_s"], "rounds": res["rounds"]}
         if res.get("profile"):
             print(f"\n=== profile, gamma {gamma} ===\n{res['profile']}")
     plain = results.get(0, {}).get("best_median_step_ms")
     mode = "eager" if args.eager else "compiled"
-    print(f"\nmodel {model}, {mode}, batch 1, T=0, drafts free ({REPEAT}); best of {args.rounds} rounds "
+    drafts = {"free": f"drafts free ({REPEAT})", "plugin": f"the plugin's proposer, draft {draft}",
+              "draft_model": f"vLLM draft_model, draft {draft}"}[args.proposer]
+    threads = args.threads or served_threads()
+    print(f"\nmodel {model}, {mode}, batch 1, T=0, {threads} thread(s), {drafts}; best of {args.rounds} rounds "
           f"of the median decode step")
-    print(f"{'gamma':>5} {'step ms':>8} {'r':>6}")
+    print(f"{'gamma':>5} {'step ms':>8} {'step/plain':>10} {'tokens/step':>11}")
     for gamma, res in results.items():
         r = res["best_median_step_ms"] / plain if plain else float("nan")
-        res["r"] = r
-        print(f"{gamma:>5} {res['best_median_step_ms']:8.2f} {r:6.2f}")
+        res["r" if args.proposer == "free" else "step_over_plain"] = r
+        print(f"{gamma:>5} {res['best_median_step_ms']:8.2f} {r:10.2f} {res['tokens_per_step'] or 0:11.2f}")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"step_cost-{mode}-{os.path.basename(os.path.normpath(model))}.json")
+    suffix = "" if args.proposer == "free" else f"-{args.proposer}"
+    path = os.path.join(args.out, f"step_cost-{mode}-{os.path.basename(os.path.normpath(model))}{suffix}.json")
     with open(path, "w") as f:
-        json.dump({"model": model, "mode": mode, "results": results}, f, indent=2)
+        json.dump({"model": model, "mode": mode, "proposer": args.proposer, "draft": draft, "threads": threads,
+                   "results": results}, f, indent=2)
     print(f"saved {path}")
     return 0
 
