@@ -28,7 +28,7 @@ FAMILIES = {
     "memory-bound": (
         os.path.join(DEMO_MB, "target"),
         plugin_config("plugin: distilled 4.46 M draft + adaptive gamma", ["demo-mb/draft"], gamma=6,
-                      adaptive_gamma={"mode": "cost_model", "gamma_min": 0}),
+                      adaptive_gamma={"mode": "cost_model", "gamma_min": 0, "max_batch": 4}),
         "Memory-bound demo target (31.5 M-parameter Llama)",
     ),
     # The small family: a 4.46 M target that fits in cache (compute-bound: speculation does not pay).
