@@ -85,7 +85,7 @@ def plot_demo(best: list[WorkloadResult], plain: list[WorkloadResult], path: str
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, temperature in zip(axes, sorted({r.temperature for r in best})):
-        for results, label in ((plain, "plain decoding"), (best, "plugin (ensemble + adaptive γ)")):
+        for results, label in ((plain, "plain decoding"), (best, best[0].config.replace("gamma", "γ"))):
             rows = [r for r in results if r.temperature == temperature]
             ax.plot([r.batch for r in rows], [r.tokens_per_s for r in rows], marker="o", label=label)
         ax.set_xscale("log", base=2)
