@@ -80,7 +80,13 @@ def load_causal_lm(path: str, dtype: str, device: str):
     from transformers import AutoModelForCausalLM
 
     # sdpa takes the custom boolean 4-D masks the padded transformers forward needs.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+    except Exception as error:  # noqa: BLE001 - safetensors, OSError, ValueError...: all mean "cannot load"
+        raise DraftModelError(
+            f"draft model {path!r} could not be loaded ({type(error).__name__}: {str(error)[:300]}); "
+            "is the checkpoint complete (config.json and every weight file, not truncated)?"
+        ) from error
     return model.to(device).eval()
 
 

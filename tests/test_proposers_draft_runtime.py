@@ -38,6 +38,23 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         DraftRuntime(str(tmp_path / "nowhere"))
 
 
+@pytest.mark.parametrize("damage", ["truncated weights", "no weights"])
+def test_damaged_checkpoint_is_a_clear_error(tmp_path, damage):
+    """A checkpoint whose weights are cut short or missing: a DraftModelError naming the draft."""
+    import shutil
+
+    path = tmp_path / "draft"
+    shutil.copytree(DRAFT, path)
+    weights = path / "model.safetensors"
+    if damage == "no weights":
+        weights.unlink()
+    else:
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size // 2)
+    with pytest.raises(DraftModelError, match=rf"draft model '{path}' could not be loaded .*not truncated"):
+        DraftRuntime(str(path), target_vocab_size=VOCAB)
+
+
 @pytest.mark.parametrize("context_length", [100, 800])
 def test_step_cost_grows_with_new_tokens_not_context(runtime, context_length):
     """After the first step, a step forwards the new tokens plus gamma - 1 drafts, whatever the context."""
