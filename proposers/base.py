@@ -25,6 +25,10 @@ class Draft:
 
     token_ids: list[int]
     probs: torch.Tensor  # [len(token_ids), vocab] float32 on the proposer's device; one-hot rows for greedy drafts
+    # A token tree instead of a chain (tree verification): parents[i] is the parent of node i,
+    # nodes parents first, node 0 the root (the last context token, not drafted), so
+    # len(parents) == len(token_ids) + 1 and token_ids[i - 1] is node i's token. None: a chain.
+    parents: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class DraftRequest:
     gamma: int  # the most draft tokens wanted (0: none)
     params: SamplingParams = GREEDY
     generator: torch.Generator | None = None
+    # The verifier can check a token tree for this request (tree verification on, and the request
+    # needs no chain-only feature); otherwise drafts must be chains.
+    tree_ok: bool = False
 
 
 class Proposer(abc.ABC):

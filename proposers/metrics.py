@@ -39,6 +39,15 @@ class DraftMetrics:
     trees: int = 0
     tree_expected_best: float = 0.0
     tree_expected_greedy: float = 0.0
+    # Tree verification (vllm_specplugin/tree_verification.py): trees verified (request x step),
+    # their draft nodes, accepted nodes, accepted nodes that were not their parent's first child
+    # (what tree verification adds over a chain), and requests x steps drafted as a chain because
+    # they need a chain-only feature (penalties, logprobs, ...).
+    tree_verify_steps: int = 0
+    tree_nodes: int = 0
+    tree_accepted_tokens: int = 0
+    tree_non_first_child_accepted: int = 0
+    tree_chain_fallbacks: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     # Per draft: at verified positions, how often its own top token was the target's token.
@@ -100,6 +109,11 @@ class DraftMetrics:
             "trees": self.trees,
             "tree_expected_best": self.tree_expected_best,
             "tree_expected_greedy": self.tree_expected_greedy,
+            "tree_verify_steps": self.tree_verify_steps,
+            "tree_nodes": self.tree_nodes,
+            "tree_accepted_tokens": self.tree_accepted_tokens,
+            "tree_non_first_child_accepted": self.tree_non_first_child_accepted,
+            "tree_chain_fallbacks": self.tree_chain_fallbacks,
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "agreement": dict(self.agreement),

@@ -1,11 +1,14 @@
-"""Tree drafting, EAGLE-2 style, submitted to the target as one chain.
+"""Tree drafting, EAGLE-2 style, submitted to the target as one chain or as the whole tree.
 
 :func:`build_tree` grows a token tree from the draft's (processed) distributions: per depth it
 expands the frontier nodes with the highest cumulative path probability and gives each its most
-likely children, within a node budget. vLLM 0.32 verifies only chains, so :class:`TreeProposer`
-submits one root-to-node path: the one with the highest expected accepted length had the target
-behaved like the draft. :class:`TokenTree` keeps what a later tree verifier needs (every node's
-draft distribution q and the tree attention mask).
+likely children, within a node budget. vLLM 0.32 verifies only chains, so by default
+(``verify="chain"``) :class:`TreeProposer` submits one root-to-node path: the one with the
+highest expected accepted length had the target behaved like the draft. With ``verify="tree"``
+it submits every node, parents first, for requests marked ``tree_ok`` (a tree verifier, such as
+``vllm_specplugin/tree_verification.py``, checks them with the one-hot rule: the children are
+fixed by top-k, not drawn); other requests still get the best path. :class:`TokenTree` keeps
+what a tree verifier needs (every node's draft distribution q and the tree attention mask).
 """
 
 from __future__ import annotations
@@ -218,18 +221,48 @@ class TreeStats:
 class _Pending:
     context_length: int
     tokens: list[int] = field(default_factory=list)
+    parents: list[int] | None = None  # a submitted tree (root included): tokens are its nodes 1..N-1
+
+
+def tree_accepted_path(tokens: Sequence[int], parents: Sequence[int], emitted: Sequence[int]) -> list[int]:
+    """The tree nodes a verifier accepted, root -> leaf: follow ``emitted`` (accepted tokens and
+    then one token of the target's own) down the tree while a child carries the next token.
+    ``tokens`` [N - 1]: the nodes' tokens (node i has ``tokens[i - 1]``); ``parents`` [N] with
+    parents[0] = -1. Children carry distinct tokens in a tree from :func:`build_tree`; the
+    first match is taken otherwise. The last emitted token is the target's own, never a node."""
+    children: list[list[int]] = [[] for _ in parents]
+    for node in range(1, len(parents)):
+        children[parents[node]].append(node)
+    path, node = [], ROOT
+    for token in list(emitted)[:-1]:
+        nxt = next((c for c in children[node] if tokens[c - 1] == token), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    return path
 
 
 class TreeProposer(Proposer):
     """Grows a token tree per request on an :class:`EnsembleProposer`'s drafts (1–3 models) and
     proposes the path with the highest expected accepted length, as a chain."""
 
-    def __init__(self, ensemble: EnsembleProposer, node_budget: int = 16, branching: int = 3):
+    def __init__(self, ensemble: EnsembleProposer, node_budget: int = 16, branching: int = 3,
+                 verify: str = "chain", max_depth: int | None = None):
         if node_budget < 1 or branching < 1:
             raise ValueError(f"need node_budget >= 1 and branching >= 1, got {node_budget} and {branching}")
+        if verify not in ("chain", "tree"):
+            raise ValueError(f"verify must be 'chain' or 'tree', got {verify!r}")
         self.ensemble = ensemble
         self.node_budget = node_budget
         self.branching = branching
+        self.verify = verify
+        # Depth limit: chain mode drafts up to gamma deep (a path); a submitted tree shares its
+        # node budget between width and depth, so by default it is ceil(budget / branching) deep
+        # (a tree as deep as its budget would be only the greedy chain, see build_tree).
+        if max_depth is not None and max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = max_depth
         self.vocab_size = ensemble.vocab_size
         self.stats = TreeStats()
         self.last_trees: dict[str, TokenTree] = {}  # the latest tree per request (inspection, tests)
@@ -279,7 +312,14 @@ class TreeProposer(Proposer):
             mixture = self.ensemble.branch_distributions(rid, context, paths)
             return processed_probs_rows(mixture.log(), [params] * len(paths))
 
-        tree = build_tree(root_q, expand, self.node_budget, depth, self.branching)
+        submit_tree = self.verify == "tree" and request.tree_ok
+        # A submitted tree is the draft: its nodes must fit in the request's draft budget (gamma).
+        budget = min(self.node_budget, request.gamma) if submit_tree else self.node_budget
+        if submit_tree:
+            depth = min(depth, budget, self.max_depth or -(-budget // self.branching))
+        elif self.max_depth is not None:
+            depth = min(depth, self.max_depth)
+        tree = build_tree(root_q, expand, budget, depth, self.branching)
         node = tree.best_node(max_depth=depth)
         tokens = tree.path(node)
         self.last_trees[rid] = tree
@@ -295,6 +335,13 @@ class TreeProposer(Proposer):
         self.metrics.tree_expected_greedy += expected_greedy
         if not tokens:
             return self.empty_draft()
+        if submit_tree:
+            # Every node, parents first; the verifier uses the one-hot rule (children fixed by
+            # top-k), so q is one-hot at each node's token, as for a chain.
+            nodes = tree.tokens[1:]
+            self._pending[rid] = _Pending(len(context), nodes, list(tree.parents))
+            probs = torch.nn.functional.one_hot(torch.tensor(nodes), self.vocab_size).float()
+            return Draft(nodes, probs.to(root_q.device), parents=list(tree.parents))
         self._pending[rid] = _Pending(len(context), tokens)
         # The path is a deterministic function of the draft's distributions (no sampling), so for
         # the chain verifier each token was "drawn" from the one-hot at itself: one-hot q is the
@@ -308,4 +355,16 @@ class TreeProposer(Proposer):
         if pending is None or len(request.context) <= pending.context_length:
             return
         emitted = list(request.context[pending.context_length:])
+        if pending.parents is not None:
+            # A tree: per depth, "drafted" is the tree's depth and "accepted" the path's length.
+            depth = max(self.last_depths(pending.parents))
+            self.metrics.record_outcome(depth, len(tree_accepted_path(pending.tokens, pending.parents, emitted)))
+            return
         self.metrics.record_outcome(len(pending.tokens), accepted_count(pending.tokens, emitted))
+
+    @staticmethod
+    def last_depths(parents: Sequence[int]) -> list[int]:
+        depths = [0] * len(parents)
+        for node in range(1, len(parents)):
+            depths[node] = depths[parents[node]] + 1
+        return depths

@@ -166,6 +166,10 @@ class MultiDraftProposer(_CustomClassAdapter):
         self._generators: dict[str, object] = {}
         self._warned_no_shim = False
         self._row_contexts: dict[int, list[int]] = {}  # shim off: the context each row-key drafted from
+        # Tree verification (vllm_specplugin/tree_verification.py): request id -> (node tokens
+        # [N - 1], parents [N]) of the trees drafted by the last propose(); read by the runner at
+        # the next step, when vLLM schedules those nodes as the request's draft tokens.
+        self.tree_plans: dict[str, tuple[list[int], list[int]]] = {}
         self.consecutive_failures = 0
         self.drafting_disabled = False
         # The q buffer handed to vLLM (shim on): allocated once, before vLLM profiles memory, so
@@ -227,6 +231,7 @@ class MultiDraftProposer(_CustomClassAdapter):
     ) -> list[list[int]]:
         view, self._batch_view = self._batch_view, None
         self._last_probs = None
+        self.tree_plans = {}  # last step's trees were verified (or dropped) before this call
         num_rows = len(sampled_token_ids)
         if self.drafting_disabled:
             return [[] for _ in range(num_rows)]
@@ -261,7 +266,9 @@ class MultiDraftProposer(_CustomClassAdapter):
                 requests.append(DraftRequest(rid, context, room, GREEDY))
             else:
                 rid = view.req_ids[row]
-                requests.append(DraftRequest(rid, context, room, view.params[row], self._generator(rid, view.seeds[row])))
+                tree_ok = bool(view.tree_ok[row]) if row < len(view.tree_ok) else False
+                requests.append(DraftRequest(rid, context, room, view.params[row], self._generator(rid, view.seeds[row]),
+                                             tree_ok=tree_ok))
             step_ids.append(rid)
             rows.append(row)
         drafts = self.proposer.propose(requests)
@@ -281,6 +288,8 @@ class MultiDraftProposer(_CustomClassAdapter):
             for row, draft, ok in zip(rows, drafts, valid):
                 if ok:
                     output[row] = list(draft.token_ids)
+                    if draft.parents is not None and len(draft.parents) == len(draft.token_ids) + 1:
+                        self.tree_plans[view.req_ids[row]] = (list(draft.token_ids), list(draft.parents))
             self._drop_invalid(rows, requests, drafts, valid)
             if not any(output):
                 probs = None

@@ -46,7 +46,105 @@ def check_vllm_internals() -> list[str]:
     need("_expand(" in expand_src, "expand_batch_to_tokens launches _expand")
     _check_runner_shim_internals(need)
     _check_draft_gemm_internals(need)
+    _check_tree_verification_internals(need)
     return problems
+
+
+def _check_tree_verification_internals(need) -> None:
+    """What vllm_specplugin.tree_verification reads, wraps and overrides (tree_drafting.verify = tree)."""
+    import dataclasses
+
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends import cpu_attn, registry
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_specplugin import tree_verification
+
+    # The backend: CPU_ATTN overridable through the registry; the subclass built; the selector cached.
+    need(hasattr(registry.AttentionBackendEnum, "CPU_ATTN") and callable(getattr(registry, "register_backend", None)),
+         "registry.register_backend(AttentionBackendEnum.CPU_ATTN, class_path)")
+    need(callable(getattr(getattr(selector, "_cached_get_attn_backend", None), "cache_clear", None)),
+         "attention selector._cached_get_attn_backend is an lru cache")
+    try:
+        backend, tree_impl = tree_verification.backend_classes()
+        need(issubclass(backend, cpu_attn.CPUAttentionBackend) and backend.get_impl_cls() is tree_impl
+             and backend.get_name() == "CPU_ATTN", "TreeCPUAttentionBackend subclasses CPU_ATTN with its impl")
+    except Exception as exc:  # noqa: BLE001 - reported as a problem
+        need(False, f"tree_verification.backend_classes() failed: {exc!r}")
+    impl = cpu_attn.CPUAttentionBackendImpl
+    forward = list(inspect.signature(impl.forward).parameters)
+    need(forward[:8] == ["self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"],
+         f"CPUAttentionBackendImpl.forward(self, layer, query, key, value, kv_cache, attn_metadata, output, ...), "
+         f"got {forward}")
+    update = list(inspect.signature(impl.do_kv_cache_update).parameters)
+    need(update == ["self", "layer", "key", "value", "kv_cache", "slot_mapping"],
+         f"CPUAttentionBackendImpl.do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping), got {update}")
+    need(cpu_attn.CPUAttentionBackend.forward_includes_kv_cache_update is False,
+         "CPU attention writes the KV cache before forward (do_kv_cache_update), so tree K/V are in the cache")
+    forward_src = inspect.getsource(impl.forward)
+    need("kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))" in forward_src
+         and "key_cache, value_cache = kv_cache.chunk(2, dim=2)" in forward_src,
+         "CPU KV cache [num_blocks, H_kv, B, 2D] holds a K region then a V region per block and head")
+    fields = {f.name for f in dataclasses.fields(cpu_attn.CPUAttentionMetadata)}
+    need({"seq_lens", "block_table", "slot_mapping", "query_start_loc"} <= fields,
+         "CPUAttentionMetadata.seq_lens / block_table / slot_mapping / query_start_loc")
+    for name in ("sliding_window", "alibi_slopes", "logits_soft_cap", "sinks", "kv_sharing_target_layer_name",
+                 "scale", "attn_type"):
+        need(f"self.{name} =" in inspect.getsource(impl.__init__), f"CPUAttentionBackendImpl keeps self.{name}")
+    need("attn_layer.kv_cache" in inspect.getsource(
+        __import__("vllm.model_executor.layers.attention.attention", fromlist=["x"]).get_attention_context),
+        "Attention layers keep their KV cache tensor in .kv_cache")
+    need(Attention is not None, "vllm.model_executor.layers.attention.Attention")
+    # The runner: positions then slot mapping in _prepare_inputs; logits rows per request; sampling.
+    prepare = inspect.unwrap(GPUModelRunner._prepare_inputs)
+    need(list(inspect.signature(prepare).parameters) == ["self", "scheduler_output", "num_scheduled_tokens"],
+         "GPUModelRunner._prepare_inputs(self, scheduler_output, num_scheduled_tokens)")
+    prepare_src = inspect.getsource(prepare)
+    positions_at = prepare_src.find("self.positions[:total_num_scheduled_tokens] = (")
+    slots_at = prepare_src.find("compute_slot_mapping(")
+    need(0 <= positions_at < slots_at, "_prepare_inputs computes the slot mapping from positions it wrote before")
+    need("self.query_start_loc.np[1 : num_reqs + 1] = cu_num_tokens" in prepare_src,
+         "_prepare_inputs fills query_start_loc.np per batch row")
+    sample = inspect.unwrap(GPUModelRunner._sample)
+    need(list(inspect.signature(sample).parameters) == ["self", "logits", "spec_decode_metadata"],
+         "GPUModelRunner._sample(self, logits, spec_decode_metadata)")
+    spec_src = inspect.getsource(GPUModelRunner._calc_spec_decode_metadata)
+    need("bonus_logits_indices = cu_num_sampled_tokens - 1" in spec_src
+         and "num_draft_tokens=num_draft_tokens.tolist()" in spec_src,
+         "logits hold num_draft + 1 consecutive rows per request, in batch order")
+    tokens_src = inspect.getsource(GPUModelRunner.sample_tokens)
+    sample_at = tokens_src.find("self._sample(")
+    need(0 <= sample_at < tokens_src.find("self._bookkeeping_sync(") and sample_at < tokens_src.find(
+        "self.propose_draft_token_ids("), "sample_tokens samples before bookkeeping and drafting")
+    need("RejectionSampler.parse_output(" in inspect.getsource(GPUModelRunner._bookkeeping_sync),
+         "_bookkeeping_sync parses spec-decode rows with RejectionSampler.parse_output")
+    need(rejection_sampler.PLACEHOLDER_TOKEN_ID == -1, "rejection_sampler.PLACEHOLDER_TOKEN_ID == -1")
+    need(list(inspect.signature(rejection_sampler.apply_sampling_constraints).parameters)
+         == ["logits", "cu_num_draft_tokens", "sampling_metadata"],
+         "rejection_sampler.apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata)")
+    meta = {f.name for f in dataclasses.fields(SamplingMetadata)}
+    need({"temperature", "top_k", "top_p", "all_greedy", "all_random"} <= meta,
+         "SamplingMetadata.temperature / top_k / top_p / all_greedy / all_random")
+    need(callable(getattr(GPUModelRunner, "initialize_kv_cache", None)), "GPUModelRunner.initialize_kv_cache")
+    init_src = inspect.getsource(GPUModelRunner.__init__)
+    need("self.positions = torch.zeros(" in init_src, "GPUModelRunner.positions is a plain tensor")
+    need("self.query_start_loc = self._make_buffer(" in init_src, "GPUModelRunner.query_start_loc is a CpuGpuBuffer")
+    need("self.req_id_to_index" in inspect.getsource(InputBatch.__init__), "InputBatch.req_id_to_index")
+    need("sampling_params" in {f.name for f in dataclasses.fields(CachedRequestState)},
+         "CachedRequestState.sampling_params")
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words", "min_tokens",
+                 "structured_outputs", "logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids", "min_p"):
+        need(hasattr(SamplingParams(), name), f"SamplingParams.{name}")
+    # Async scheduling is off for custom_class (only EAGLE/MTP/draft model/ngram-GPU/... allow it), so
+    # the compaction after sampling runs before the next forward (check_runner also refuses async).
+    need("Currently, async scheduling is only supported" in inspect.getsource(VllmConfig),
+         "VllmConfig refuses async scheduling for custom_class speculative decoding")
 
 
 def _check_draft_gemm_internals(need) -> None:

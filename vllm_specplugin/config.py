@@ -18,6 +18,7 @@ CONFIG_KEY = "specplugin"
 REPAIR_MODES = ("auto", "on", "off")
 DRAFT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_DRAFTS = 3
+TREE_VERIFY_MODES = ("chain", "tree")
 
 
 class SpecPluginConfigError(ValueError):
@@ -58,12 +59,23 @@ class SpecPluginConfig:
     # ema_weight, max_batch (no drafting above this batch size), cost_ratio (c; null: measured),
     # probe_every (at γ = 0, draft γ = 1 every this many steps; 8), initial_alpha (0.7).
     adaptive_gamma: dict | None = None
-    # Tree drafting (proposers/tree.py): null, or an object with node_budget (16) and branching
-    # (3). The path with the highest expected accepted length is verified as a chain.
+    # Tree drafting (proposers/tree.py): null, or an object with node_budget (16), branching (3),
+    # max_depth (null: gamma for chain, ceil(node_budget / branching) for tree) and verify
+    # ("chain" | "tree"; "chain"). chain: the path with the highest expected accepted
+    # length is verified as a chain by vLLM. tree: the whole tree (up to node_budget nodes, capped
+    # by num_speculative_tokens) is verified losslessly inside vLLM (vllm_specplugin/
+    # tree_verification.py; vLLM 0.32 CPU attention only); requests that need chain-only
+    # features (penalties, bad words, min_tokens, structured output, logprobs, ...) are still
+    # verified as a chain.
     tree_drafting: dict | None = None
     # Share draft KV across requests with a common token prefix (a radix tree of token blocks).
     prefix_sharing: bool = False
     prefix_block_size: int = 16
+
+    @property
+    def tree_verify(self) -> str:
+        """How tree drafts are verified: "tree" (whole tree, lossless) or "chain" (one path)."""
+        return (self.tree_drafting or {}).get("verify", "chain")
 
     def gamma_policy(self):
         """The validated adaptive-γ policy, or None for a fixed γ."""
@@ -117,6 +129,11 @@ class SpecPluginConfig:
             values["adaptive_gamma"] = _gamma_policy(raw["adaptive_gamma"])
         if raw.get("tree_drafting") is not None:
             values["tree_drafting"] = _tree(raw["tree_drafting"])
+            if values["tree_drafting"].get("verify") == "tree" and raw.get("adaptive_gamma") is not None:
+                # AdaptiveGamma scores drafts as chains; a tree's acceptance is not a chain's.
+                raise SpecPluginConfigError(
+                    "tree_drafting.verify", "'tree' does not combine with adaptive_gamma (set one of them)"
+                )
         if "prefix_block_size" in raw:
             values["prefix_block_size"] = _positive_int(raw, "prefix_block_size")
         for field in ("adapt_draft_weights", "runner_shim", "prefix_sharing"):
@@ -131,10 +148,10 @@ class SpecPluginConfig:
         return config
 
 
-def _choice(raw: Mapping, field: str, choices: tuple[str, ...]) -> str:
+def _choice(raw: Mapping, field: str, choices: tuple[str, ...], name: str | None = None) -> str:
     value = raw[field]
     if not isinstance(value, str) or value not in choices:
-        raise SpecPluginConfigError(field, f"expected one of {list(choices)}, got {value!r}")
+        raise SpecPluginConfigError(name or field, f"expected one of {list(choices)}, got {value!r}")
     return value
 
 
@@ -186,8 +203,15 @@ def _tree(value: Any) -> dict:
         raise SpecPluginConfigError("tree_drafting", f"expected an object (or true, or null), got {value!r}")
     out = {}
     for key, item in value.items():
-        if key not in ("node_budget", "branching"):
-            raise SpecPluginConfigError(f"tree_drafting.{key}", "unknown key; known keys are node_budget, branching")
+        if key == "verify":
+            out[key] = _choice(value, key, TREE_VERIFY_MODES, "tree_drafting.verify")
+            continue
+        if key == "max_depth" and item is None:
+            continue
+        if key not in ("node_budget", "branching", "max_depth"):
+            raise SpecPluginConfigError(
+                f"tree_drafting.{key}", "unknown key; known keys are node_budget, branching, max_depth, verify"
+            )
         out[key] = _positive_int(value, key, f"tree_drafting.{key}")
     return out
 

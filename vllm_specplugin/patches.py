@@ -31,9 +31,10 @@ def install() -> None:
         )
         return
     _wrap_worker_init()
-    from vllm_specplugin import runner_shim
+    from vllm_specplugin import runner_shim, tree_verification
 
     runner_shim.install()
+    tree_verification.install()
 
 
 def wrap_once(owner, name: str, make_wrapper) -> None:
@@ -97,6 +98,11 @@ def _wrap_worker_init() -> None:
             from vllm_specplugin import sampler_repair
 
             sampler_repair.apply(config.cpu_sampler_repair)
+            if config.tree_verify == "tree":
+                # Before the model (and so its attention layers) is built in this worker.
+                from vllm_specplugin import tree_verification
+
+                tree_verification.register_backend()
             return original(self)
 
         return init_device

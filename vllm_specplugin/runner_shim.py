@@ -46,6 +46,9 @@ class BatchView:
     params: list[SamplingParams]  # row -> the request's temperature, top-k, top-p
     seeds: list[int | None]  # row -> the request's seed (None: unseeded)
     live_request_ids: frozenset[str]  # every request the runner still holds (finished ones are gone)
+    # row -> the request may be drafted as a token tree (tree verification on and the request
+    # needs no chain-only feature); empty: no row may (vllm_specplugin/tree_verification.py).
+    tree_ok: tuple[bool, ...] = ()
 
 
 def batch_view(runner) -> BatchView:
@@ -62,7 +65,9 @@ def batch_view(runner) -> BatchView:
         )
         generator = batch.generators.get(row)
         seeds.append(None if generator is None else int(generator.initial_seed()))
-    return BatchView(req_ids, params, seeds, frozenset(runner.requests))
+    from vllm_specplugin import tree_verification
+
+    return BatchView(req_ids, params, seeds, frozenset(runner.requests), tree_verification.tree_rows(runner, req_ids))
 
 
 def _shim_enabled(runner) -> bool:

@@ -1,0 +1,162 @@
+"""Tree verification inside vLLM (tree_drafting.verify = "tree") on the demo family.
+
+Engines (one process each, float32, demo target + draft-distill): plain decoding (the
+reference), tree drafting verified as a tree, the same tree drafting verified as a chain, and a
+tree engine whose cache-layout probe is made to fail. Greedy outputs must equal plain decoding
+token for token; some accepted node must be a non-first child (else the test proves nothing a
+chain would not); tree verification must accept more per step than the chain; a request with a
+penalty is verified as a chain and still matches plain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from vllm_specplugin.server import REPO_ROOT, engine_env
+
+pytestmark = pytest.mark.engine
+
+DEMO = os.path.join(REPO_ROOT, "models", "demo")
+TARGET = os.path.join(DEMO, "target")
+DRAFT = os.path.join(DEMO, "draft-distill")
+NODE_BUDGET = 10
+MAX_DEPTH = 4  # the same trees for verify = tree and verify = chain
+MAX_TOKENS = 32
+PROMPTS = (
+    "def read_config(path):\n    with open(path) as f:\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "import os\n\n\ndef list_files(directory):\n",
+    "    for i in range(len(values)):\n        if values[i] ",
+)
+PENALTY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "repetition_penalty": 1.3}
+SAMPLED = {"temperature": 0.8, "top_k": 40, "max_tokens": MAX_TOKENS, "seed": 1}
+
+
+def _prompt_ids() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def _requests() -> list[dict]:
+    """The greedy prompts; the first prompt with a repetition penalty (chain-only); the second
+    prompt sampled at T = 0.8, top-k 40, seeded (the T > 0 tree path runs; its law is not tested here)."""
+    ids = _prompt_ids()
+    greedy = [{"prompt": p, "params": {"temperature": 0.0, "max_tokens": MAX_TOKENS}} for p in ids]
+    return greedy + [{"prompt": ids[0], "params": PENALTY}, {"prompt": ids[1], "params": SAMPLED}]
+
+
+def run_job(requests, speculative_config=None, additional_config=None, extra_env=None, expect_failure=False,
+            enforce_eager=False):
+    job = {"model": TARGET, "requests": requests, "speculative_config": speculative_config,
+           "additional_config": additional_config or {}, "enforce_eager": enforce_eager,
+           "gpu_memory_utilization": float(os.environ.get("SPECPLUGIN_GPU_MEMORY_UTILIZATION", "0.3"))}
+    with tempfile.TemporaryDirectory(prefix="specplugin-tree-") as tmp:
+        job_path, out_path, log_path = (os.path.join(tmp, n) for n in ("job.json", "out.json", "engine.log"))
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        started = time.perf_counter()
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tests", "engine", "tree_job.py"),
+                                   job_path, out_path], cwd=REPO_ROOT, env={**engine_env(), **(extra_env or {})},
+                                  stdout=log, stderr=subprocess.STDOUT, timeout=900)
+        with open(log_path) as f:
+            text = f.read()
+        print(f"engine job: exit {proc.returncode} after {time.perf_counter() - started:.0f} s")
+        if expect_failure:
+            assert proc.returncode != 0, "the engine started although it should have refused"
+            return text
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            raise AssertionError(f"engine job failed (exit {proc.returncode}):\n{text[-5000:]}")
+        with open(out_path) as f:
+            return {**json.load(f), "log": text}
+
+
+def _spec(verify: str) -> tuple[dict, dict]:
+    return ({"method": "custom_class", "model": "vllm_specplugin.adapters.MultiDraftProposer",
+             "num_speculative_tokens": NODE_BUDGET},
+            {"specplugin": {"drafts": [DRAFT],
+                            "tree_drafting": {"node_budget": NODE_BUDGET, "branching": 3, "max_depth": MAX_DEPTH,
+                                              "verify": verify}}})
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return run_job(_requests())
+
+
+@pytest.fixture(scope="module")
+def tree_run():
+    spec, extra = _spec("tree")
+    return run_job(_requests(), spec, extra, extra_env=_fault_env())
+
+
+@pytest.fixture(scope="module")
+def chain_run():
+    spec, extra = _spec("chain")
+    return run_job(_requests(), spec, extra)
+
+
+def _fault_env() -> dict:
+    # For proving the tests catch a broken verifier: SPECPLUGIN_TREE_FAULT=<fault> pytest ...
+    fault = os.environ.get("SPECPLUGIN_TREE_FAULT")
+    return {"SPECPLUGIN_TREE_FAULT": fault} if fault else {}
+
+
+def _accepted_per_step(run: dict) -> float:
+    spec = run["spec_decode"]
+    return spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_drafts"]
+
+
+def test_greedy_tree_verification_equals_plain_decoding(plain, tree_run):
+    """Every greedy prompt: the same tokens as plain decoding; and tree verification did verify
+    trees and accepted nodes a chain could not have (non-first children)."""
+    count = len(PROMPTS)
+    for index in range(count):
+        assert tree_run["outputs"][index] == plain["outputs"][index], f"prompt {index} differs"
+        assert len(tree_run["outputs"][index]) == MAX_TOKENS
+    stats = tree_run["plugin"]
+    non_first = stats["tree_non_first_child_accepted"]
+    accepted = stats["tree_accepted_tokens"]
+    print(f"trees verified {stats['tree_verify_steps']}, nodes {stats['tree_nodes']}, accepted {accepted}, "
+          f"of them non-first children {non_first} ({non_first / max(accepted, 1):.1%}); "
+          f"start-up plain {plain['startup_s']:.0f} s, tree {tree_run['startup_s']:.0f} s")
+    assert stats["tree_verify_steps"] > 0
+    assert non_first > 0
+
+
+def test_penalty_request_is_verified_as_a_chain_and_matches(plain, tree_run):
+    index = len(PROMPTS)
+    assert tree_run["outputs"][index] == plain["outputs"][index]
+    assert tree_run["plugin"]["tree_chain_fallbacks"] > 0
+    assert "requests with penalties are drafted and verified as a chain" in tree_run["log"]
+
+
+def test_sampled_request_runs_without_walk_failures(tree_run):
+    assert len(tree_run["outputs"][len(PROMPTS) + 1]) == MAX_TOKENS
+    assert "tree verification of request" not in tree_run["log"]  # no walk failed
+    assert "Traceback" not in tree_run["log"]
+
+
+def test_tree_accepts_more_per_step_than_the_chain(tree_run, chain_run):
+    tree, chain = _accepted_per_step(tree_run), _accepted_per_step(chain_run)
+    print(f"accepted tokens per verification step: tree {tree:.3f}, chain {chain:.3f} (same trees, "
+          f"node budget {NODE_BUDGET}, branching 3)")
+    assert chain_run["plugin"].get("tree_verify_steps", 0) == 0
+    assert tree > chain
+
+
+def test_probe_failure_refuses_tree_mode():
+    spec, extra = _spec("tree")
+    log = run_job(_requests()[:1], spec, extra, extra_env={"SPECPLUGIN_TREE_FAULT": "probe_layout"},
+                  expect_failure=True, enforce_eager=True)
+    assert "tree_drafting.verify = 'tree' refused" in log
+    assert "KV cache layout probe failed" in log

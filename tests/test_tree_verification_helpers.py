@@ -1,0 +1,323 @@
+"""Tree verification in vLLM (vllm_specplugin/tree_verification.py): its pure helpers, the cache
+layout probe against vLLM's own CPU cache writer, the chain-only request rules, the config key and
+the tree proposer's tree mode. Fast tier: no engine."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_specplugin import tree_verification as tv
+from vllm_specplugin.config import SpecPluginConfig, SpecPluginConfigError
+from vllm_specplugin.proposers.base import DraftRequest
+from vllm_specplugin.proposers.draft_runtime import DraftRuntime
+from vllm_specplugin.proposers.ensemble import EnsembleProposer
+from vllm_specplugin.proposers.sampling import SamplingParams
+from vllm_specplugin.proposers.tree import TreeProposer, tree_accepted_path
+from vllm_specplugin.proposers.tree_verify import tree_attention_mask
+from vllm_specplugin.verification.drivers import REPO_ROOT
+
+torch.set_num_threads(1)
+
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # root; two children; 1 has two children; 2 one; 3 one
+
+
+def _vllm_writer(dtype, block: int, dim: int):
+    """(impl, layer) stand-ins carrying what vLLM's CPU cache writer reads."""
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    impl = types.SimpleNamespace(attn_type=AttentionType.DECODER, kv_cache_dtype="auto")
+    layer = types.SimpleNamespace(isa=_get_attn_isa(dtype, block, dim, "auto"), _k_scale_float=1.0,
+                                  _v_scale_float=1.0)
+    return impl, layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_reader_reads_what_vllms_writer_wrote(dtype):
+    """Tokens written with vLLM's do_kv_cache_update into scattered blocks read back exactly."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    block, dim, heads = 32, 64, 2
+    impl, layer = _vllm_writer(dtype, block, dim)
+    cache = torch.zeros(6, heads, block, 2 * dim, dtype=dtype)
+    table = torch.tensor([4, 1, 3], dtype=torch.int32)  # the request's blocks, not in order
+    n = 2 * block + 5
+    key = torch.randn(n, heads, dim).to(dtype)
+    value = torch.randn(n, heads, dim).to(dtype)
+    slots = torch.tensor([int(table[i // block]) * block + i % block for i in range(n)], dtype=torch.int64)
+    CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, key, value, cache, slots)
+    layout = tv.probe_layout(impl, layer, cache)
+    assert layout in tv.LAYOUTS
+    k, v = tv.read_paged_kv(cache, table, n, layout)
+    assert torch.equal(k, key) and torch.equal(v, value)
+    k, v = tv.read_paged_kv(cache, table, 7, layout)  # a prefix inside the first block
+    assert torch.equal(k, key[:7]) and torch.equal(v, value[:7])
+
+
+def test_probe_refuses_a_layout_it_cannot_read():
+    impl, layer = _vllm_writer(torch.float32, 32, 64)
+    cache = torch.zeros(2, 2, 32, 128)
+    assert tv.probe_layout(impl, layer, cache, fault="probe_layout") is None
+
+
+def test_tree_attention_equals_causal_attention_along_each_path():
+    """Row i of the tree attention = plain causal attention over [prefix, root .. node i]."""
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, prefix = 4, 2, 32, 9
+    n = len(PARENTS)
+    query = torch.randn(n, heads, dim, generator=generator)
+    key = torch.randn(n, kv_heads, dim, generator=generator)
+    value = torch.randn(n, kv_heads, dim, generator=generator)
+    prefix_k = torch.randn(prefix, kv_heads, dim, generator=generator)
+    prefix_v = torch.randn(prefix, kv_heads, dim, generator=generator)
+    scale = dim ** -0.5
+    out = tv.tree_attention(query, key, value, prefix_k, prefix_v, tree_attention_mask(PARENTS), scale)
+    assert out.shape == (n, heads, dim) and out.dtype == torch.float32
+    for node in range(n):
+        path = []
+        while node >= 0 and node not in path:
+            path.append(node)
+            node = PARENTS[node]
+        path = path[::-1]
+        last = path[-1]
+        k = torch.cat([prefix_k, key[path]]).repeat_interleave(2, dim=1)
+        v = torch.cat([prefix_v, value[path]]).repeat_interleave(2, dim=1)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[last : last + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale
+        ).transpose(0, 1)[0]
+        assert torch.allclose(out[last], expected, atol=1e-5)
+    # Without the ancestor mask (causal over BFS rows) a node also sees its parent's siblings.
+    causal = tv.tree_attention(query, key, value, prefix_k, prefix_v, torch.ones(n, n, dtype=torch.bool).tril(), scale)
+    assert not torch.allclose(causal[3], out[3], atol=1e-3)
+
+
+def test_walk_accepts_a_second_child_and_the_fault_cannot():
+    """Greedy: the target's argmax after the root is node 2's token (the root's second child)."""
+    vocab = 8
+    tokens = [-1, 5, 6, 1, 2, 3, 4]
+    argmax = [6, 0, 3, 0, 0, 7, 0]  # after root: 6 (node 2); after node 2: 3 (node 5); then 7 (a leaf)
+    target = torch.nn.functional.one_hot(torch.tensor(argmax), vocab).double()
+    accepted, emitted = tv.walk_tree(target, PARENTS, tokens, greedy=True, generator=None)
+    assert accepted == [2, 5] and emitted == [6, 3, 7]
+    assert tv.non_first_children(PARENTS, accepted) == 1
+    assert tv.compaction_moves(accepted) == [(2, 1), (5, 2)]
+    accepted, emitted = tv.walk_tree(target, PARENTS, tokens, greedy=True, generator=None, fault="first_child_only")
+    assert accepted == [] and emitted == [6]
+    # A path through first children: nothing to move.
+    target = torch.nn.functional.one_hot(torch.tensor([5, 1, 0, 4, 0, 0, 2]), vocab).double()
+    accepted, emitted = tv.walk_tree(target, PARENTS, tokens, greedy=True, generator=None)
+    assert accepted == [1, 3, 6] and emitted == [5, 1, 4, 2]
+    assert tv.compaction_moves(accepted) == [(3, 2), (6, 3)] and tv.non_first_children(PARENTS, accepted) == 0
+
+
+def test_first_child_subtree():
+    assert tv.first_child_subtree(PARENTS) == [0, 1, 3, 6]
+
+
+def test_chain_only_reasons():
+    from vllm import SamplingParams as VllmSamplingParams
+
+    def state(**kwargs):
+        return types.SimpleNamespace(sampling_params=VllmSamplingParams(**kwargs))
+
+    assert tv.chain_only_reason(state(temperature=0.0)) is None
+    assert tv.chain_only_reason(state(temperature=0.8, top_k=20, top_p=0.9, seed=3)) is None
+    assert tv.chain_only_reason(state(repetition_penalty=1.2)) == "penalties"
+    assert tv.chain_only_reason(state(presence_penalty=0.5)) == "penalties"
+    assert tv.chain_only_reason(state(min_tokens=4)) == "min_tokens"
+    assert tv.chain_only_reason(state(logprobs=2)) == "logprobs"
+    assert tv.chain_only_reason(state(min_p=0.1)) is not None
+    assert tv.chain_only_reason(types.SimpleNamespace(sampling_params=None)) is not None
+
+
+def test_fault_names_are_checked(monkeypatch):
+    monkeypatch.setenv(tv.FAULT_ENV, "nope")
+    with pytest.raises(ValueError, match="SPECPLUGIN_TREE_FAULT"):
+        tv.requested_fault()
+    monkeypatch.setenv(tv.FAULT_ENV, "no_kv_compaction")
+    assert tv.requested_fault() == "no_kv_compaction"
+
+
+def test_config_verify_key():
+    assert SpecPluginConfig.from_dict({}).tree_verify == "chain"
+    assert SpecPluginConfig.from_dict({"tree_drafting": {"node_budget": 8}}).tree_verify == "chain"
+    config = SpecPluginConfig.from_dict({"tree_drafting": {"verify": "tree", "branching": 2}})
+    assert config.tree_verify == "tree" and config.tree_drafting == {"verify": "tree", "branching": 2}
+    with pytest.raises(SpecPluginConfigError, match="tree_drafting.verify"):
+        SpecPluginConfig.from_dict({"tree_drafting": {"verify": "graph"}})
+    with pytest.raises(SpecPluginConfigError, match="tree_drafting.verify"):
+        SpecPluginConfig.from_dict({"tree_drafting": {"verify": "tree"}, "adaptive_gamma": {}})
+    assert SpecPluginConfig.from_dict({"tree_drafting": {"max_depth": 4}}).tree_drafting == {"max_depth": 4}
+    with pytest.raises(SpecPluginConfigError, match="tree_drafting.max_depth"):
+        SpecPluginConfig.from_dict({"tree_drafting": {"max_depth": 0}})
+
+
+def test_tree_accepted_path():
+    tokens = [5, 6, 1, 2, 3, 4]  # nodes 1..6 of PARENTS
+    assert tree_accepted_path(tokens, PARENTS, [6, 3, 9]) == [2, 5]
+    assert tree_accepted_path(tokens, PARENTS, [5, 2, 9]) == [1, 4]
+    assert tree_accepted_path(tokens, PARENTS, [7]) == []
+
+
+@pytest.fixture(scope="module")
+def distill() -> DraftRuntime:
+    return DraftRuntime(os.path.join(REPO_ROOT, "models", "demo", "draft-distill"), target_vocab_size=4096)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0, top_k=20)])
+def test_tree_mode_submits_the_whole_tree_only_when_allowed(distill, params):
+    context = np.random.default_rng(1).integers(3, 4096, size=12).tolist()
+    proposer = TreeProposer(EnsembleProposer([distill]), node_budget=8, branching=2, verify="tree")
+    tree_draft, chain_draft = proposer.propose([
+        DraftRequest("t", context, 6, params, tree_ok=True),  # gamma 6 caps the budget of 8
+        DraftRequest("c", context, 6, params, tree_ok=False),
+    ])
+    tree = proposer.last_trees["t"]
+    assert tree_draft.parents == tree.parents and tree_draft.token_ids == tree.tokens[1:]
+    assert len(tree_draft.token_ids) == 6 and tree_draft.probs.shape == (6, 4096)
+    assert max(tree.depths) <= 3  # default depth ceil(6 / 2): budget shared between width and depth
+    assert any(len(tree.children(node)) > 1 for node in range(tree.num_nodes))  # a real tree
+    assert torch.equal(tree_draft.probs.argmax(-1), torch.tensor(tree_draft.token_ids))
+    assert chain_draft.parents is None
+    assert chain_draft.token_ids == proposer.last_trees["c"].path(proposer.last_trees["c"].best_node())
+    # The next step's context tells which path was accepted: node tokens along the tree.
+    path = tree.ancestry(tree.num_nodes - 1)[1:]
+    emitted = [tree.tokens[n] for n in path] + [7]
+    proposer.propose([DraftRequest("t", context + emitted, 6, params, tree_ok=True)])
+    metrics = proposer.metrics
+    assert metrics.accepted_tokens == len(path)
+
+
+def test_tree_rows_recomputed_from_the_paged_cache_and_compacted():
+    """The attention impl's tree pass on a cache written by vLLM's writer: each tree row equals
+    attention over [prefix, its path]; rows of other requests are left alone; the compaction then
+    puts the accepted path's K/V in the slots after the root."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    generator = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, block = 4, 2, 32, 32
+    impl, layer = _vllm_writer(torch.float32, block, dim)
+    impl.scale = dim ** -0.5
+    prefix, n, start = 40, len(PARENTS), 2  # another request owns token rows 0..1 (batch row 0)
+    table = torch.tensor([[0, 0], [5, 2]], dtype=torch.int32)
+
+    def slot(position):
+        return int(table[1, position // block]) * block + position % block
+
+    cache = torch.zeros(6, kv_heads, block, 2 * dim)
+    prefix_k = torch.randn(prefix, kv_heads, dim, generator=generator)
+    prefix_v = torch.randn(prefix, kv_heads, dim, generator=generator)
+    CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, prefix_k, prefix_v, cache,
+                                               torch.tensor([slot(p) for p in range(prefix)]))
+    total = start + n
+    query = torch.randn(total, heads, dim, generator=generator)
+    key = torch.randn(total, kv_heads, dim, generator=generator)
+    value = torch.randn(total, kv_heads, dim, generator=generator)
+    slots = torch.tensor([0, 1] + [slot(prefix + i) for i in range(n)])  # tree rows: sequential slots
+    CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, key[start:], value[start:], cache, slots[start:])
+    metadata = types.SimpleNamespace(seq_lens=torch.tensor([5, prefix + n], dtype=torch.int32), block_table=table,
+                                     slot_mapping=slots)
+    entry = tv.TreeEntry(1, "r", start, list(PARENTS), [-1, 5, 6, 1, 2, 3, 4], tree_attention_mask(PARENTS))
+
+    def run(fault=None):
+        step = tv.TreeStep([entry], "k_dxb", fault)
+        output = torch.zeros(total, heads, dim)
+        tv._recompute_tree_rows(impl, step, layer, query, key, value, cache, metadata, output)
+        return step, output
+
+    step, output = run()
+    assert not output[:start].any()
+    expected = tv.tree_attention(query[start:], key[start:], value[start:], prefix_k, prefix_v,
+                                 tree_attention_mask(PARENTS), impl.scale)
+    assert torch.allclose(output[start:], expected, atol=1e-6)
+    for node in range(n):  # and that is causal attention along the node's path
+        path = [node]
+        while PARENTS[path[-1]] >= 0:
+            path.append(PARENTS[path[-1]])
+        rows = [start + p for p in path[::-1]]
+        k = torch.cat([prefix_k, key[rows]]).repeat_interleave(2, dim=1)
+        v = torch.cat([prefix_v, value[rows]]).repeat_interleave(2, dim=1)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            query[start + node: start + node + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            scale=impl.scale).transpose(0, 1)[0]
+        assert torch.allclose(output[start + node], ref, atol=1e-5)
+    _, masked_off = run("no_ancestor_mask")
+    assert not torch.allclose(masked_off[start + 3], output[start + 3], atol=1e-3)
+
+    tv._compact(step, 0, [2, 5])  # accepted: node 2 (depth 1), node 5 (depth 2)
+    k, v = tv.read_paged_kv(cache, table[1], prefix + 3, "k_dxb")
+    assert torch.equal(k[prefix + 1], key[start + 2]) and torch.equal(v[prefix + 1], value[start + 2])
+    assert torch.equal(k[prefix + 2], key[start + 5]) and torch.equal(v[prefix + 2], value[start + 5])
+    assert torch.equal(k[prefix], key[start]) and torch.equal(k[:prefix], prefix_k)  # root and prefix kept
+
+
+def _fake_runner(tree_state=True):
+    """A stand-in for vLLM's model runner with what the wrappers read: request "b" at batch row 0
+    (a plain decode row), request "a" at row 1 with a tree of PARENTS drafted for it."""
+    tokens = [5, 6, 1, 2, 3, 4]
+    metrics = types.SimpleNamespace(tree_verify_steps=0, tree_nodes=0, tree_accepted_tokens=0,
+                                    tree_non_first_child_accepted=0, tree_chain_fallbacks=0)
+    return types.SimpleNamespace(
+        drafter=types.SimpleNamespace(tree_plans={"a": (tokens, list(PARENTS))}, metrics=metrics),
+        input_batch=types.SimpleNamespace(req_id_to_index={"b": 0, "a": 1}, temperature_cpu=np.zeros(2),
+                                          generators={}),
+        query_start_loc=types.SimpleNamespace(np=np.array([0, 1, 1 + len(PARENTS)])),
+        positions=torch.zeros(16, dtype=torch.int64),
+        _specplugin_tree_state=tv._RunnerState(layout="k_dxb", fault=None) if tree_state else None,
+    )
+
+
+def test_prepare_inputs_wrapper_sets_tree_positions_and_the_sample_wrapper_walks():
+    runner = _fake_runner()
+
+    def prepare(self, scheduler_output, num_scheduled_tokens):  # vLLM: sequential positions
+        self.positions[:8] = torch.tensor([20] + [30 + i for i in range(7)])
+        return "inputs"
+
+    scheduled = types.SimpleNamespace(scheduled_spec_decode_tokens={"a": [5, 6, 1, 2, 3, 4]})
+    assert tv._tree_prepare_inputs(prepare)(runner, scheduled, np.array([1, 7])) == "inputs"
+    assert runner.positions[:8].tolist() == [20, 30, 31, 31, 32, 32, 32, 33]  # n0 = 30, + depth
+    step = tv._CURRENT
+    assert [e.req_id for e in step.entries] == ["a"] and step.entries[0].query_start == 1
+
+    # Logits: row 0 for "b" (no drafts), rows 1..7 for "a"; the target's argmax after the root is
+    # node 2's token 6, after node 2 node 5's token 3, after node 5 token 9.
+    logits = torch.zeros(8, 16)
+    for row, token in [(0, 11), (1, 6), (3, 3), (6, 9)]:
+        logits[row, token] = 5.0
+    sampled = torch.full((2, 7), 7, dtype=torch.int32)  # what vLLM's chain sampler wrote
+    metadata = types.SimpleNamespace(num_draft_tokens=[0, 6])
+    out = tv._tree_sample(lambda self, lg, md: types.SimpleNamespace(sampled_token_ids=sampled))(runner, logits, metadata)
+    assert out.sampled_token_ids[1].tolist() == [6, 3, 9, -1, -1, -1, -1]
+    assert out.sampled_token_ids[0].tolist() == [7] * 7  # other rows untouched
+    assert tv._CURRENT is None
+    stats = runner.drafter.metrics
+    assert (stats.tree_verify_steps, stats.tree_accepted_tokens, stats.tree_non_first_child_accepted) == (1, 2, 1)
+
+
+def test_wrappers_change_nothing_without_tree_state_or_for_chains_and_mismatches():
+    def prepare(self, scheduler_output, num_scheduled_tokens):
+        self.positions[:8] = torch.arange(30, 38)
+
+    runner = _fake_runner(tree_state=False)
+    scheduled = types.SimpleNamespace(scheduled_spec_decode_tokens={"a": [5, 6, 1, 2, 3, 4]})
+    tv._tree_prepare_inputs(prepare)(runner, scheduled, np.array([1, 7]))
+    assert runner.positions[:8].tolist() == list(range(30, 38)) and tv._CURRENT is None
+    runner = _fake_runner()
+    for drafts, counts in (([5, 6, 1, 9], [1, 5]),  # not the drafted tokens
+                           ([5], [1, 2]),  # a one-node prefix is a chain
+                           ([5, 6, 1], [1, 9])):  # not a decode row of root + drafts
+        scheduled = types.SimpleNamespace(scheduled_spec_decode_tokens={"a": drafts})
+        tv._tree_prepare_inputs(prepare)(runner, scheduled, np.array(counts))
+        assert runner.positions[:8].tolist() == list(range(30, 38)) and tv._CURRENT is None
+    # A BFS prefix of the tree is a tree: drafts [5, 6, 1] are nodes 1..3 (3's parent is 1).
+    scheduled = types.SimpleNamespace(scheduled_spec_decode_tokens={"a": [5, 6, 1]})
+    tv._tree_prepare_inputs(prepare)(runner, scheduled, np.array([1, 4]))
+    assert tv._CURRENT.entries[0].parents == [-1, 0, 0, 1]
+    assert runner.positions[1:5].tolist() == [31, 32, 32, 33]
+    tv._CURRENT = None

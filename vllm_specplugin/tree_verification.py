@@ -1,0 +1,634 @@
+"""Lossless tree verification inside vLLM 0.32 on CPU: ``tree_drafting: {"verify": "tree"}``.
+
+vLLM 0.32 verifies chains only (its tree attention was removed upstream). This module holds all
+the vLLM coupling that lets the plugin's :class:`~vllm_specplugin.proposers.tree.TreeProposer`
+have a whole token tree verified in one target forward, exactly (design map:
+``/work/shared/TREE_VERIFICATION.md``):
+
+1. **Drafts = tree nodes.** The proposer returns the tree's nodes parents first (BFS) as the
+   request's draft tokens; the adapter keeps each request's parents (``tree_plans``). vLLM's
+   scheduler only ever cuts drafts to a prefix, and a BFS prefix of a tree is a tree.
+2. **Positions** (``_prepare_inputs`` wrapper): after vLLM computed positions and the slot mapping
+   from them (sequential slots, which are kept), the tree rows' positions become n0 + depth.
+3. **Attention** (:class:`TreeCPUAttentionImpl`, registered for ``CPU_ATTN`` through vLLM's
+   backend registry): vLLM's kernel runs for every row, then the tree rows of tree requests are
+   recomputed with SDPA over [the cached prefix, read from the paged cache | the in-flight tree
+   K/V] under the mask [ones(n0) | ancestor-or-self].
+4. **Sampling** (``_sample`` wrapper): the tree is walked with
+   :func:`~vllm_specplugin.proposers.tree_verify.verify_tree_nodes` on vLLM's processed target
+   distributions (``apply_sampling_constraints``; greedy: the argmax) with the one-hot rule
+   (top-k children are fixed, not drawn) and the request's own generator; the request's output
+   row becomes the accepted path + one token, as the rejection sampler writes it.
+5. **KV compaction**: the accepted node at depth d is rewritten into the slot of row d with the
+   backend's own cache writer (``do_kv_cache_update``), before the next forward (async
+   scheduling is off for custom_class).
+6. **Start-up check and layout probe** (``initialize_kv_cache`` wrapper): refuses tree mode with
+   :class:`TreeVerificationUnavailable` when the model or engine uses something this path does
+   not handle, or when known values written with vLLM's writer do not read back.
+
+Requests needing chain-only features (penalties, bad words, min_tokens, structured output,
+logprobs, logit bias, min_p, allowed tokens, thinking budget) are drafted and verified as a chain.
+
+``SPECPLUGIN_TREE_FAULT`` (tests only) injects one of :data:`TREE_FAULTS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vllm_specplugin.config import SpecPluginConfig
+from vllm_specplugin.logging_utils import get_logger, log_once
+from vllm_specplugin.proposers.tree_verify import (
+    AcceptanceRule,
+    tree_attention_mask,
+    tree_children,
+    tree_depths,
+    verify_tree_nodes,
+)
+
+logger = get_logger()
+
+FAULT_ENV = "SPECPLUGIN_TREE_FAULT"
+# Deliberate faults, for proving the engine tests catch them:
+#   probe_layout: the cache reader assumes a layout vLLM's writer does not use (the probe must refuse);
+#   no_ancestor_mask: tree rows attend causally to every earlier node (siblings included);
+#   no_tree_positions: tree rows keep sequential positions instead of n0 + depth;
+#   no_kv_compaction: the accepted path's K/V stay in the slots of its BFS rows;
+#   first_child_only: the walk tries only the first child of each node (a chain).
+TREE_FAULTS = ("probe_layout", "no_ancestor_mask", "no_tree_positions", "no_kv_compaction", "first_child_only")
+
+# Paged-cache layouts of one block and head, as [K region | V region] of B * D elements each
+# (vLLM views the cache [num_blocks, H_kv, B, 2D] as [num_blocks, H_kv, 2B, D] and chunks it).
+# "k_dxb": K column-major [D, B], V row-major [B, D] (CPU "vec" ISA, checked for fp32 and bf16).
+# "k_bxd": both row-major [B, D]. The probe picks the first that reads back what vLLM wrote.
+LAYOUTS = ("k_dxb", "k_bxd")
+_BOGUS_LAYOUT = "v_dxb"  # K and V both column-major: what the probe_layout fault reads with
+
+
+class TreeVerificationUnavailable(RuntimeError):
+    """Tree verification was asked for but cannot run exactly on this engine."""
+
+
+def requested_fault() -> str | None:
+    fault = os.environ.get(FAULT_ENV, "").strip() or None
+    if fault is not None and fault not in TREE_FAULTS:
+        raise ValueError(f"{FAULT_ENV}={fault!r}: expected one of {list(TREE_FAULTS)}")
+    return fault
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers (torch only)
+# ---------------------------------------------------------------------------------------------
+
+
+def read_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, layout: str):
+    """The first ``num_tokens`` tokens' K and V of one request from a paged cache.
+
+    ``kv_cache`` [num_blocks, H_kv, B, 2D] (vLLM's CPU cache tensor); ``block_ids`` [>= ceil(n / B)]
+    the request's block table row. Returns (K, V), each [num_tokens, H_kv, D] in the cache dtype.
+    """
+    num_blocks, heads, block, two_d = kv_cache.shape
+    dim = two_d // 2
+    needed = -(-num_tokens // block)
+    blocks = kv_cache[block_ids[:needed].long()]  # [n_blk, H, B, 2D], a copy
+    regions = blocks.reshape(needed, heads, 2, block * dim)
+    k_region, v_region = regions[:, :, 0], regions[:, :, 1]
+    if layout in ("k_dxb", _BOGUS_LAYOUT):
+        k = k_region.reshape(needed, heads, dim, block).permute(0, 3, 1, 2)
+    elif layout == "k_bxd":
+        k = k_region.reshape(needed, heads, block, dim).permute(0, 2, 1, 3)
+    else:
+        raise ValueError(f"unknown cache layout {layout!r}")
+    if layout == _BOGUS_LAYOUT:
+        v = v_region.reshape(needed, heads, dim, block).permute(0, 3, 1, 2)
+    else:
+        v = v_region.reshape(needed, heads, block, dim).permute(0, 2, 1, 3)
+    return (k.reshape(needed * block, heads, dim)[:num_tokens],
+            v.reshape(needed * block, heads, dim)[:num_tokens])
+
+
+def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_key: torch.Tensor,
+                   prefix_value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of a tree's rows: node i sees the whole prefix and its ancestors-or-self.
+
+    ``query`` [N, H, D]; ``key``/``value`` [N, H_kv, D] (the tree's own, post-RoPE);
+    ``prefix_key``/``prefix_value`` [n0, H_kv, D]; ``mask`` [N, N] bool (True: attend).
+    Returns [N, H, D] float32 (GQA: H_kv divides H).
+    """
+    num_nodes, heads, _ = query.shape
+    keys = torch.cat([prefix_key.float(), key.float()])
+    values = torch.cat([prefix_value.float(), value.float()])
+    group = heads // keys.shape[1]
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    full_mask = torch.cat(
+        [torch.ones(num_nodes, prefix_key.shape[0], dtype=torch.bool, device=mask.device), mask], dim=1
+    )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+        attn_mask=full_mask.to(query.device), scale=scale,
+    )
+    return out.transpose(0, 1)
+
+
+def first_child_subtree(parents: Sequence[int]) -> list[int]:
+    """Nodes reachable from the root through first children only (the first_child_only fault)."""
+    children = tree_children(parents)
+    keep, node = [0], 0
+    while children[node]:
+        node = children[node][0]
+        keep.append(node)
+    return keep
+
+
+def walk_tree(target_probs: torch.Tensor, parents: Sequence[int], tokens: Sequence[int], *, greedy: bool,
+              generator: torch.Generator | None, fault: str | None = None) -> tuple[list[int], list[int]]:
+    """One lossless walk: (accepted nodes root -> leaf, emitted tokens) with the one-hot rule.
+
+    ``target_probs`` [N, V] float64: row j = the processed target distribution after node j
+    (greedy: any distribution whose argmax is the target's choice, e.g. one-hot).
+    """
+    if fault == "first_child_only":
+        keep = first_child_subtree(parents)
+        index = {node: i for i, node in enumerate(keep)}
+        sub_parents = [-1] + [index[parents[n]] for n in keep[1:]]
+        accepted, emitted = verify_tree_nodes(
+            target_probs[keep], None, sub_parents, [tokens[n] for n in keep], AcceptanceRule.ONE_HOT,
+            generator, greedy=greedy,
+        )
+        return [keep[a] for a in accepted], emitted
+    return verify_tree_nodes(target_probs, None, parents, tokens, AcceptanceRule.ONE_HOT, generator, greedy=greedy)
+
+
+def non_first_children(parents: Sequence[int], accepted: Sequence[int]) -> int:
+    """How many accepted nodes are not their parent's first child (what a chain could not accept)."""
+    children = tree_children(parents)
+    return sum(1 for node in accepted if children[parents[node]][0] != node)
+
+
+def compaction_moves(accepted: Sequence[int]) -> list[tuple[int, int]]:
+    """(source node row, destination row) pairs that put the accepted node of depth d in row d."""
+    return [(node, depth) for depth, node in enumerate(accepted, start=1) if node != depth]
+
+
+# ---------------------------------------------------------------------------------------------
+# One step's plan, shared by the runner wrappers and the attention impl (same process and thread)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TreeEntry:
+    row: int  # batch row of the request
+    req_id: str
+    query_start: int  # first token row of the request in this step (the root)
+    parents: list[int]  # [N], root included
+    tokens: list[int]  # [N]: tokens[0] = -1 (the root is already in the context), then the nodes
+    mask: torch.Tensor  # [N, N] bool, ancestor-or-self
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+
+@dataclasses.dataclass
+class _SavedLayer:
+    impl: object
+    layer: object
+    kv_cache: torch.Tensor
+    keys: list[torch.Tensor]  # per entry [N, H_kv, D] post-RoPE
+    values: list[torch.Tensor]
+    slots: list[torch.Tensor]  # per entry [N] int64, the rows' slots
+
+
+@dataclasses.dataclass
+class TreeStep:
+    entries: list[TreeEntry]
+    layout: str
+    fault: str | None
+    saved: list[_SavedLayer] = dataclasses.field(default_factory=list)
+
+
+_CURRENT: TreeStep | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention backend
+# ---------------------------------------------------------------------------------------------
+
+
+def _backend_classes():
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+    class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+        """vLLM's CPU attention, then the tree rows of tree requests recomputed with an ancestor mask."""
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                    output_scale=None, output_block_scale=None):
+            result = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                     output_scale, output_block_scale)
+            step = _CURRENT
+            if (step is not None and attn_metadata is not None and key is not None
+                    and self.attn_type == AttentionType.DECODER):
+                _recompute_tree_rows(self, step, layer, query, key, value, kv_cache, attn_metadata, output)
+            return result
+
+    class TreeCPUAttentionBackend(CPUAttentionBackend):
+        @staticmethod
+        def get_impl_cls():
+            return TreeCPUAttentionImpl
+
+    for cls in (TreeCPUAttentionBackend, TreeCPUAttentionImpl):
+        cls.__qualname__ = cls.__name__  # resolvable (and picklable) as module attributes, see __getattr__
+    return TreeCPUAttentionBackend, TreeCPUAttentionImpl
+
+
+_CLASSES: tuple | None = None
+
+
+def backend_classes() -> tuple:
+    """(TreeCPUAttentionBackend, TreeCPUAttentionImpl), built on first use: importing vLLM's CPU
+    attention while plugins load (early in every vLLM process) is avoided."""
+    global _CLASSES
+    if _CLASSES is None:
+        _CLASSES = _backend_classes()
+    return _CLASSES
+
+
+def __getattr__(name: str):
+    # vLLM's registry resolves BACKEND_PATH with import_module + getattr, which lands here.
+    if name == "TreeCPUAttentionBackend":
+        return backend_classes()[0]
+    if name == "TreeCPUAttentionImpl":
+        return backend_classes()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+BACKEND_PATH = f"{__name__}.TreeCPUAttentionBackend"
+
+
+def _recompute_tree_rows(impl, step: TreeStep, layer, query, key, value, kv_cache, attn_metadata, output) -> None:
+    """Overwrite ``output`` [T, H, D] at every tree entry's rows with tree attention, and save the
+    rows' K/V [N, H_kv, D] and slots [N] for the compaction after sampling."""
+    saved = _SavedLayer(impl, layer, kv_cache, [], [], [])
+    block = kv_cache.shape[2]
+    for entry in step.entries:
+        start, n = entry.query_start, entry.num_nodes
+        rows = slice(start, start + n)
+        prefix_len = int(attn_metadata.seq_lens[entry.row]) - n  # n0: the root's position
+        blocks = attn_metadata.block_table[entry.row, : max(1, -(-prefix_len // block))]
+        prefix_k, prefix_v = read_paged_kv(kv_cache, blocks, prefix_len, step.layout)
+        mask = entry.mask
+        if step.fault == "no_ancestor_mask":
+            mask = torch.ones(n, n, dtype=torch.bool).tril()
+        out = tree_attention(query[rows], key[rows], value[rows], prefix_k, prefix_v, mask, impl.scale)
+        output[rows] = out.to(output.dtype)
+        saved.keys.append(key[rows].clone())
+        saved.values.append(value[rows].clone())
+        saved.slots.append(attn_metadata.slot_mapping[rows].to(torch.int64).clone())
+    step.saved.append(saved)
+
+
+def register_backend() -> None:
+    """Route ``CPU_ATTN`` to :class:`TreeCPUAttentionBackend` (in a worker, before the model is
+    built); the selector's cache is cleared so that no earlier choice sticks."""
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.registry import register_backend as vllm_register_backend
+
+    try:
+        backend_classes()
+    except Exception as exc:
+        raise TreeVerificationUnavailable(f"vLLM's CPU attention backend cannot be subclassed here: {exc!r}") from exc
+    vllm_register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    selector._cached_get_attn_backend.cache_clear()
+    log_once("info", "specplugin: tree verification: CPU_ATTN routed to TreeCPUAttentionBackend")
+
+
+# ---------------------------------------------------------------------------------------------
+# Which requests may be trees
+# ---------------------------------------------------------------------------------------------
+
+
+def chain_only_reason(req_state) -> str | None:
+    """Why this request must be verified as a chain (None: it may be a tree)."""
+    params = getattr(req_state, "sampling_params", None)
+    if params is None:
+        return "no sampling parameters"
+    if (params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1):
+        return "penalties"
+    if params.bad_words or getattr(params, "_bad_words_token_ids", None):
+        return "bad words"
+    if params.min_tokens:
+        return "min_tokens"
+    if params.structured_outputs is not None:
+        return "structured output"
+    if (params.logprobs is not None or params.prompt_logprobs is not None
+            or getattr(params, "logprob_token_ids", None)):
+        return "logprobs"
+    if params.logit_bias or params.allowed_token_ids or params.min_p:
+        return "logit bias / allowed tokens / min_p"
+    if getattr(params, "thinking_token_budget", None) is not None:
+        return "thinking budget"
+    return None
+
+
+def tree_rows(runner, req_ids: Sequence[str]) -> tuple[bool, ...]:
+    """Per batch row: may the request be drafted as a tree? Empty when tree verification is off."""
+    state = getattr(runner, "_specplugin_tree_state", None)
+    if state is None:
+        return ()
+    out = []
+    for rid in req_ids:
+        reason = chain_only_reason(runner.requests.get(rid))
+        if reason is not None:
+            state.chain_fallbacks += 1
+            metrics = getattr(getattr(runner, "drafter", None), "metrics", None)
+            if metrics is not None:
+                metrics.tree_chain_fallbacks += 1
+            log_once("info", f"specplugin: tree verification: requests with {reason} are drafted and verified as a chain")
+        out.append(reason is None)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runner wrappers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _RunnerState:
+    layout: str
+    fault: str | None
+    chain_fallbacks: int = 0
+    walk_failures: int = 0
+
+
+def install() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_specplugin.patches import wrap_once
+
+    wrap_once(GPUModelRunner, "initialize_kv_cache", _checked_initialize_kv_cache)
+    wrap_once(GPUModelRunner, "_prepare_inputs", _tree_prepare_inputs)
+    wrap_once(GPUModelRunner, "_sample", _tree_sample)
+
+
+def tree_requested(vllm_config) -> bool:
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.method != "custom_class":
+        return False
+    config = SpecPluginConfig.from_additional_config(getattr(vllm_config, "additional_config", None))
+    return config.tree_verify == "tree"
+
+
+def _checked_initialize_kv_cache(original):
+    def initialize_kv_cache(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if getattr(self, "_specplugin_tree_state", None) is None and tree_requested(self.vllm_config):
+            self._specplugin_tree_state = check_runner(self)
+            logger.info("specplugin: tree verification ON (cache layout %s)", self._specplugin_tree_state.layout)
+        return result
+
+    return initialize_kv_cache
+
+
+def _tree_prepare_inputs(original):
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        global _CURRENT
+        _CURRENT = None
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        state = getattr(self, "_specplugin_tree_state", None)
+        if state is not None and scheduler_output.scheduled_spec_decode_tokens:
+            try:
+                entries = _plan_entries(self, scheduler_output, num_scheduled_tokens)
+            except Exception:
+                # Nothing changed yet (positions are written below): vLLM verifies chains, exactly.
+                logger.exception("specplugin: planning this step's tree verification failed; verifying as chains")
+                entries = []
+            if entries:
+                if state.fault != "no_tree_positions":
+                    for entry in entries:  # after the slot mapping was computed from sequential positions
+                        start = entry.query_start
+                        depths = torch.tensor(tree_depths(entry.parents), dtype=self.positions.dtype)
+                        self.positions[start: start + entry.num_nodes] = self.positions[start] + depths.to(
+                            self.positions.device)
+                _CURRENT = TreeStep(entries, state.layout, state.fault)
+        return result
+
+    return _prepare_inputs
+
+
+def _plan_entries(runner, scheduler_output, num_scheduled_tokens) -> list[TreeEntry]:
+    """The tree requests of this step: those whose scheduled drafts are (a BFS prefix of) the tree
+    the adapter drafted for them, scheduled as one decode row block (root + drafts)."""
+    plans = getattr(runner.drafter, "tree_plans", None) or {}
+    entries = []
+    for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+        plan = plans.get(req_id)
+        if plan is None or not drafts:
+            continue
+        tokens, parents = plan
+        n = len(drafts)
+        row = runner.input_batch.req_id_to_index.get(req_id)
+        if row is None or list(drafts) != tokens[:n] or int(num_scheduled_tokens[row]) != n + 1:
+            continue  # not the drafted tree (or not a plain decode row): vLLM verifies it as a chain
+        parents = list(parents[: n + 1])
+        if all(parents[i] == i - 1 for i in range(1, n + 1)):
+            continue  # a chain: vLLM's own verifier is the same walk
+        entries.append(TreeEntry(row, req_id, int(runner.query_start_loc.np[row]), parents,
+                                 [-1] + list(tokens[:n]), tree_attention_mask(parents)))
+    return entries
+
+
+def _tree_sample(original):
+    def _sample(self, logits, spec_decode_metadata):
+        global _CURRENT
+        step, _CURRENT = _CURRENT, None
+        if step is None or spec_decode_metadata is None or logits is None:
+            return original(self, logits, spec_decode_metadata)
+        # The tree rows' logits [N, V], before vLLM's sampler (which may process logits in place).
+        num_draft = spec_decode_metadata.num_draft_tokens
+        ends = np.cumsum([d + 1 for d in num_draft])
+        blocks = []
+        for entry in step.entries:
+            end = int(ends[entry.row])
+            ok = num_draft[entry.row] + 1 == entry.num_nodes  # always, as planned; else one token only
+            blocks.append(logits[end - entry.num_nodes: end].clone() if ok else None)
+        output = original(self, logits, spec_decode_metadata)
+        _verify_trees(self, step, blocks, output.sampled_token_ids)
+        return output
+
+    return _sample
+
+
+def _target_probs(runner, row: int, block: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """([N, V] float64 target distributions of one tree request, greedy?) with vLLM's processing."""
+    from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+
+    if float(runner.input_batch.temperature_cpu[row]) == 0.0:  # vLLM stores 0.0 for greedy requests
+        # Greedy: vLLM's greedy choice is the argmax of the logits (no processors: chain_only_reason).
+        return torch.nn.functional.one_hot(block.argmax(-1), block.shape[-1]).double(), True
+    metadata = runner.input_batch.sampling_metadata
+    one = slice(row, row + 1)
+    request_metadata = dataclasses.replace(
+        metadata,
+        temperature=metadata.temperature[one],
+        top_k=None if metadata.top_k is None else metadata.top_k[one],
+        top_p=None if metadata.top_p is None else metadata.top_p[one],
+        all_greedy=False,
+        all_random=True,
+    )
+    cu = torch.tensor([block.shape[0]], dtype=torch.int32, device=block.device)
+    processed = apply_sampling_constraints(block.to(torch.float32).clone(), cu, request_metadata)
+    return processed.double().softmax(-1).cpu(), False
+
+
+def _verify_trees(runner, step: TreeStep, blocks: list[torch.Tensor], sampled: torch.Tensor) -> None:
+    """Walk each tree, write its output row of ``sampled`` [num_reqs, max_spec_len + 1] (int32,
+    -1 after the emitted tokens), compact its KV and count."""
+    from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+
+    state = runner._specplugin_tree_state
+    metrics = getattr(getattr(runner, "drafter", None), "metrics", None)
+    for index, (entry, block) in enumerate(zip(step.entries, blocks)):
+        try:
+            if block is None:
+                raise RuntimeError(f"the logits rows of request {entry.req_id} do not match its tree")
+            target, greedy = _target_probs(runner, entry.row, block)
+            generator = runner.input_batch.generators.get(entry.row)
+            accepted, emitted = walk_tree(target, entry.parents, entry.tokens, greedy=greedy,
+                                          generator=generator, fault=step.fault)
+        except Exception:
+            # Keep only vLLM's first token: position 0 (after the root) is verified exactly by the
+            # chain sampler too, and one emitted token needs no compaction.
+            state.walk_failures += 1
+            logger.exception("specplugin: tree verification of request %s failed; emitting one token", entry.req_id)
+            sampled[entry.row, 1:] = PLACEHOLDER_TOKEN_ID
+            continue
+        row = sampled[entry.row]
+        row.fill_(PLACEHOLDER_TOKEN_ID)
+        row[: len(emitted)] = torch.tensor(emitted, dtype=row.dtype, device=row.device)
+        if step.fault != "no_kv_compaction":
+            _compact(step, index, accepted)
+        if metrics is not None:
+            metrics.tree_verify_steps += 1
+            metrics.tree_nodes += entry.num_nodes - 1
+            metrics.tree_accepted_tokens += len(accepted)
+            metrics.tree_non_first_child_accepted += non_first_children(entry.parents, accepted)
+
+
+def _compact(step: TreeStep, index: int, accepted: list[int]) -> None:
+    """Rewrite the accepted nodes' K/V into the slots of rows 1..k with vLLM's own cache writer."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    moves = compaction_moves(accepted)
+    if not moves:
+        return
+    sources = torch.tensor([s for s, _ in moves])
+    destinations = torch.tensor([d for _, d in moves])
+    for saved in step.saved:
+        slots = saved.slots[index][destinations]
+        CPUAttentionBackendImpl.do_kv_cache_update(
+            saved.impl, saved.layer, saved.keys[index][sources].contiguous(),
+            saved.values[index][sources].contiguous(), saved.kv_cache, slots,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up check and layout probe
+# ---------------------------------------------------------------------------------------------
+
+
+def probe_layout(impl, layer, kv_cache: torch.Tensor, fault: str | None = None) -> str | None:
+    """Write known K/V with the backend's own writer into a scratch cache shaped like ``kv_cache``
+    (2 blocks) and read them back; the first layout in :data:`LAYOUTS` that matches exactly, or None."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    _, heads, block, two_d = kv_cache.shape
+    dim = two_d // 2
+    scratch = torch.zeros(2, heads, block, two_d, dtype=kv_cache.dtype, device=kv_cache.device)
+    num_tokens = block + 3  # spans both blocks, the second partly
+    generator = torch.Generator().manual_seed(0)
+    key = torch.randn(num_tokens, heads, dim, generator=generator).to(kv_cache.dtype)
+    value = torch.randn(num_tokens, heads, dim, generator=generator).to(kv_cache.dtype)
+    slots = torch.arange(num_tokens, dtype=torch.int64)
+    CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, key, value, scratch, slots)
+    blocks = torch.tensor([0, 1])
+    for layout in ([_BOGUS_LAYOUT] if fault == "probe_layout" else LAYOUTS):
+        k, v = read_paged_kv(scratch, blocks, num_tokens, layout)
+        if torch.equal(k, key) and torch.equal(v, value):
+            return layout
+    return None
+
+
+def check_runner(runner) -> _RunnerState:
+    """Refuse tree verification (raise :class:`TreeVerificationUnavailable`) unless this engine can
+    run it exactly; otherwise the runner's tree state (the probed cache layout)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    fault = requested_fault()
+    config = SpecPluginConfig.from_additional_config(runner.vllm_config.additional_config)
+    problems = []
+    if not config.runner_shim:
+        problems.append("the runner shim is off (tree verification needs request ids)")
+    if not hasattr(getattr(runner, "drafter", None), "tree_plans"):
+        problems.append("the drafter is not the plugin's MultiDraftProposer")
+    if getattr(runner, "use_async_scheduling", False):
+        problems.append("async scheduling is on")
+    if getattr(runner, "uses_mrope", False):
+        problems.append("the model uses M-RoPE")
+    parallel = runner.vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        problems.append("tensor or pipeline parallelism (untested)")
+    if runner.vllm_config.kv_transfer_config is not None:
+        problems.append("a KV connector is configured")
+    if runner.cache_config.cache_dtype != "auto":
+        problems.append(f"KV cache dtype {runner.cache_config.cache_dtype} (quantized caches are not read back)")
+    groups = runner.kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        problems.append(f"{len(groups)} KV cache groups (one full-attention group supported)")
+    layers = {name: module for name, module in runner.compilation_config.static_forward_context.items()
+              if isinstance(module, Attention)}
+    if not layers:
+        problems.append("no attention layers found")
+    layout = None
+    for name, layer in layers.items():
+        impl = layer.impl
+        if not isinstance(impl, backend_classes()[1]):
+            problems.append(f"layer {name} uses {type(impl).__name__}, not the tree CPU attention")
+            break
+        unsupported = [what for what, bad in (
+            ("sliding window", impl.sliding_window != -1), ("ALiBi", impl.alibi_slopes is not None),
+            ("logit soft cap", bool(impl.logits_soft_cap)), ("attention sinks", impl.sinks is not None),
+            ("KV sharing", impl.kv_sharing_target_layer_name is not None),
+        ) if bad]
+        if unsupported:
+            problems.append(f"layer {name} uses {', '.join(unsupported)}")
+            break
+        kv_cache = layer.kv_cache
+        kv_cache = kv_cache[0] if isinstance(kv_cache, (list, tuple)) else kv_cache
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
+            problems.append(f"layer {name}: KV cache is not a [num_blocks, H_kv, B, 2D] tensor")
+            break
+        if layout is None:
+            layout = probe_layout(impl, layer, kv_cache, fault)
+            if layout is None:
+                problems.append(
+                    f"the KV cache layout probe failed (ISA {getattr(layer, 'isa', '?')}, dtype {kv_cache.dtype}): "
+                    "values written with vLLM's cache writer do not read back in any known layout"
+                )
+                break
+    if problems:
+        raise TreeVerificationUnavailable(
+            "specplugin: tree_drafting.verify = 'tree' refused: " + "; ".join(problems)
+            + ". Use tree_drafting.verify = 'chain' (the default) on this engine."
+        )
+    return _RunnerState(layout=layout, fault=fault)
