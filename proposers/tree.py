@@ -23,6 +23,7 @@ from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.metrics import accepted_count
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, processed_probs_rows
+from vllm_specplugin.proposers.tree_verify import tree_children, tree_depths
 
 ROOT = 0
 
@@ -230,9 +231,7 @@ def tree_accepted_path(tokens: Sequence[int], parents: Sequence[int], emitted: S
     ``tokens`` [N - 1]: the nodes' tokens (node i has ``tokens[i - 1]``); ``parents`` [N] with
     parents[0] = -1. Children carry distinct tokens in a tree from :func:`build_tree`; the
     first match is taken otherwise. The last emitted token is the target's own, never a node."""
-    children: list[list[int]] = [[] for _ in parents]
-    for node in range(1, len(parents)):
-        children[parents[node]].append(node)
+    children = tree_children(parents)
     path, node = [], ROOT
     for token in list(emitted)[:-1]:
         nxt = next((c for c in children[node] if tokens[c - 1] == token), None)
@@ -357,14 +356,7 @@ class TreeProposer(Proposer):
         emitted = list(request.context[pending.context_length:])
         if pending.parents is not None:
             # A tree: per depth, "drafted" is the tree's depth and "accepted" the path's length.
-            depth = max(self.last_depths(pending.parents))
+            depth = max(tree_depths(pending.parents))
             self.metrics.record_outcome(depth, len(tree_accepted_path(pending.tokens, pending.parents, emitted)))
             return
         self.metrics.record_outcome(len(pending.tokens), accepted_count(pending.tokens, emitted))
-
-    @staticmethod
-    def last_depths(parents: Sequence[int]) -> list[int]:
-        depths = [0] * len(parents)
-        for node in range(1, len(parents)):
-            depths[node] = depths[parents[node]] + 1
-        return depths

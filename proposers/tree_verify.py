@@ -27,11 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
-from vllm_specplugin.proposers.tree import TokenTree
+
+if TYPE_CHECKING:  # proposers/tree.py uses this module's tree geometry
+    from vllm_specplugin.proposers.tree import TokenTree
 
 PROB_TOLERANCE = 1e-6  # how far a probability row may sum from 1 (float32 softmax rows pass)
 
