@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_specplugin.proposers.base import Draft  # noqa: F401  (re-exported)
-from vllm_specplugin.proposers.lean_llama import LeanLlama, LinearFactory, RowAttention
+from vllm_specplugin.proposers.lean_llama import LeanKernels, LeanLlama, RowAttention
 from vllm_specplugin.proposers.prefix_cache import DEFAULT_BLOCK_SIZE, PrefixCache
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
 
@@ -153,7 +153,7 @@ class DraftRuntime:
         device: str = "cpu",
         memory_budget_mb: float = 512,
         lean_forward: bool = True,
-        make_linear: LinearFactory | None = None,
+        kernels: LeanKernels | None = None,
         prefix_sharing: bool = False,
         prefix_block_size: int = DEFAULT_BLOCK_SIZE,
         solo_prefill_threshold: int = SOLO_PREFILL_THRESHOLD,
@@ -180,9 +180,9 @@ class DraftRuntime:
         self.device = torch.device(device)
         self.model = load_causal_lm(path, dtype, device)
         # Llama drafts skip transformers' per-call overhead (same math; see proposers/lean_llama.py).
-        # ``make_linear``: how the lean forward multiplies by its weights (default F.linear).
+        # ``kernels``: the lean forward's operations (default torch's; the vLLM adapter passes vLLM's CPU kernels).
         self.lean = (
-            LeanLlama(self.model, make_linear) if lean_forward and LeanLlama.supports(self.model) else None
+            LeanLlama(self.model, kernels) if lean_forward and LeanLlama.supports(self.model) else None
         )
         num_heads = config.num_attention_heads
         self._kv_geometry = (

@@ -182,25 +182,42 @@ def test_lean_rope_table_grows_for_long_contexts(monkeypatch):
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
-def test_lean_forward_takes_a_linear_factory():
-    """Every matrix product of the lean forward goes through ``make_linear`` (the vLLM adapter
-    passes oneDNN's prepacked products there): a factory that counts its calls sees them all."""
-    from vllm_specplugin.proposers.lean_llama import torch_linear
+def test_lean_forward_takes_its_kernels():
+    """Every matrix product of the lean forward goes through ``kernels.linear``, and each other
+    kernel is called (the vLLM adapter passes vLLM's CPU kernels there): counting kernels see them."""
+    import dataclasses
 
-    made, calls = [], []
+    from vllm_specplugin.proposers.lean_llama import TORCH_KERNELS
 
-    def counting(weight):
+    made, calls = [], {}
+
+    def counting(name, kernel):
+        def wrapped(*args):
+            calls[name] = calls.get(name, 0) + 1
+            return kernel(*args)
+        return wrapped
+
+    def linear(weight):
         made.append(tuple(weight.shape))
-        inner = torch_linear(weight)
-        return lambda x: calls.append(1) or inner(x)
+        return counting("linear", TORCH_KERNELS.linear(weight))
 
+    def make_rope(cos, sin):
+        return counting("rope", TORCH_KERNELS.make_rope(cos, sin))
+
+    kernels = dataclasses.replace(
+        TORCH_KERNELS, name="counting", linear=linear, make_rope=make_rope,
+        rms_norm=counting("rms_norm", TORCH_KERNELS.rms_norm),
+        add_rms_norm=counting("add_rms_norm", TORCH_KERNELS.add_rms_norm),
+        silu_and_mul=counting("silu_and_mul", TORCH_KERNELS.silu_and_mul),
+    )
     path = os.path.join(REPO_ROOT, "models", "demo", "draft-small")
-    rt = DraftRuntime(path, target_vocab_size=VOCAB, make_linear=counting)
+    rt = DraftRuntime(path, target_vocab_size=VOCAB, kernels=kernels)
     layers = rt.model.config.num_hidden_layers
     assert len(made) == 4 * layers + 1  # qkv, o, gate_up, down per layer, and the lm_head
     reference = DraftRuntime(path, target_vocab_size=VOCAB).open_batch(["a"], [context(9, seed=14)]).logits
     torch.testing.assert_close(rt.open_batch(["a"], [context(9, seed=14)]).logits, reference)
-    assert len(calls) == 4 * layers + 1
+    assert calls == {"linear": 4 * layers + 1, "rope": layers, "rms_norm": 2, "add_rms_norm": 2 * layers - 1,
+                     "silu_and_mul": layers}
 
 
 def test_lean_forward_is_not_used_where_it_does_not_apply(random_target):

@@ -152,7 +152,7 @@ def main(argv=None) -> int:
                          "draft_model: vLLM's own draft_model method with --draft")
     ap.add_argument("--draft", help="draft checkpoint dir (default: the memory-bound family's draft)")
     ap.add_argument("--additional-config", type=json.loads, default=None,
-                    help='JSON for --additional-config, e.g. \'{"specplugin": {"draft_gemm": "torch"}}\'')
+                    help='JSON for --additional-config, e.g. \'{"specplugin": {"draft_kernels": "torch"}}\'')
     ap.add_argument("--threads", type=int, default=None,
                     help=f"OpenMP threads (default {served_threads()}: what a served engine's worker gets here)")
     ap.add_argument("--out", default=os.path.join(REPO_ROOT, "runs", "step_cost"))

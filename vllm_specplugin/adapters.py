@@ -111,7 +111,7 @@ class MultiDraftProposer(_CustomClassAdapter):
         from vllm_specplugin.proposers.gamma import AdaptiveGamma
         from vllm_specplugin.proposers.tree import TreeProposer
         from vllm_specplugin.config import SpecPluginConfigError
-        from vllm_specplugin.fast_linear import draft_linear_factory
+        from vllm_specplugin.draft_kernels import draft_kernels
         from vllm_specplugin.metrics import MetricsPublisher
 
         if not self.config.drafts:
@@ -124,7 +124,7 @@ class MultiDraftProposer(_CustomClassAdapter):
             device = torch.device("cuda", torch.cuda.current_device())
         self.target_vocab_size = int(model_config.get_vocab_size())
         budget = self.config.draft_memory_budget_mb / len(self.config.drafts)
-        make_linear = draft_linear_factory(self.config.draft_gemm, device, self.config.draft_dtype)
+        kernels = draft_kernels(self.config.draft_kernels, device, self.config.draft_dtype)
         runtimes = [
             DraftRuntime(
                 path,
@@ -136,7 +136,7 @@ class MultiDraftProposer(_CustomClassAdapter):
                 memory_budget_mb=budget,
                 prefix_sharing=self.config.prefix_sharing,
                 prefix_block_size=self.config.prefix_block_size,
-                make_linear=make_linear,
+                kernels=kernels,
             )
             for path in self.config.drafts
         ]
@@ -186,13 +186,13 @@ class MultiDraftProposer(_CustomClassAdapter):
         self.publisher = MetricsPublisher(self.metrics, f"{label}[{', '.join(ensemble.names)}]")
         logger.info(
             "specplugin %s proposer: drafts %s, weights %s, k=%d, %s, %s, prefix sharing %s, dtype %s, "
-            "draft products %s, memory budget %d MiB, draft-probability buffer %s",
+            "draft kernels %s, memory budget %d MiB, draft-probability buffer %s",
             label, list(self.config.drafts), [round(w, 3) for w in ensemble.weights.tolist()],
             self.num_speculative_tokens,
             "fixed gamma" if self.gamma_policy is None else f"adaptive gamma {self.gamma_policy}",
             "chain drafting" if self.config.tree_drafting is None else f"tree drafting {self.config.tree_drafting}",
             "on" if self.config.prefix_sharing else "off",
-            self.config.draft_dtype, "oneDNN (prepacked)" if make_linear else "torch F.linear",
+            self.config.draft_dtype, "vLLM's CPU kernels (oneDNN products)" if kernels else "torch's",
             self.config.draft_memory_budget_mb,
             "none (runner shim off)" if self._q_buffer is None else
             f"{list(self._q_buffer.shape)} float32 on {device} = {self.q_buffer_bytes / 2**20:.1f} MiB",

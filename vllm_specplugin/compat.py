@@ -45,7 +45,7 @@ def check_vllm_internals() -> list[str]:
     expand_src = inspect.getsource(rejection_sampler.expand_batch_to_tokens)
     need("_expand(" in expand_src, "expand_batch_to_tokens launches _expand")
     _check_runner_shim_internals(need)
-    _check_draft_gemm_internals(need)
+    _check_draft_kernels_internals(need)
     _check_tree_verification_internals(need)
     return problems
 
@@ -147,8 +147,9 @@ def _check_tree_verification_internals(need) -> None:
          "VllmConfig refuses async scheduling for custom_class speculative decoding")
 
 
-def _check_draft_gemm_internals(need) -> None:
-    """vllm_specplugin.fast_linear: the drafts' oneDNN products are vLLM's own CPU GEMM ops."""
+def _check_draft_kernels_internals(need) -> None:
+    """vllm_specplugin.draft_kernels: the drafts' kernels are vLLM's own CPU ops, with these schemas."""
+    import torch
     from vllm import _custom_ops as ops
 
     need(hasattr(ops, "_supports_onednn"), "vllm._custom_ops._supports_onednn")
@@ -157,6 +158,18 @@ def _check_draft_gemm_internals(need) -> None:
          f"vllm._custom_ops.create_onednn_mm(weight [K, N], primitive_cache_size), got {create}")
     mm = list(inspect.signature(ops.onednn_mm).parameters) if hasattr(ops, "onednn_mm") else []
     need(mm[:3] == ["dnnl_handler", "x", "bias"], f"vllm._custom_ops.onednn_mm(dnnl_handler, x, bias), got {mm}")
+    if getattr(ops, "_supports_onednn", False):  # the CPU build: its C++ kernels are there too
+        expected = {
+            "rms_norm": ["out", "input", "weight", "epsilon"],
+            "fused_add_rms_norm": ["input", "residual", "weight", "epsilon"],
+            "rotary_embedding": ["positions", "query", "key", "head_size", "cos_sin_cache", "is_neox"],
+            "silu_and_mul": ["out", "input"],
+        }
+        for name, arguments in expected.items():
+            op = getattr(torch.ops._C, name, None)
+            got = [a.name for a in op.default._schema.arguments] if op is not None else "missing"
+            need(got != "missing" and got[:len(arguments)] == arguments,
+                 f"torch.ops._C.{name}({', '.join(arguments)}, ...), got {got}")
 
 
 def _check_runner_shim_internals(need) -> None:

@@ -43,10 +43,11 @@ class SpecPluginConfig:
     draft_weights: tuple[float, ...] | None = None
     # dtype the drafts run in.
     draft_dtype: str = "float32"
-    # How the drafts' lean forward multiplies by its weights: "onednn" (vLLM's prepacked CPU GEMM,
-    # about 2x faster for a draft at batch 1), "torch" (F.linear), or "auto" (oneDNN for float32
-    # and bfloat16 drafts on CPU where this vLLM has it, else torch).
-    draft_gemm: str = "auto"
+    # The kernels of the drafts' lean forward: "vllm" (vLLM's own CPU kernels: prepacked oneDNN
+    # products, RMSNorm, RoPE, SiLU-and-mul; about 2x faster for a draft at batch 1), "torch", or
+    # "auto" (vLLM's for float32 and bfloat16 drafts on CPU where this vLLM has them, else torch).
+    # Its former name draft_gemm (auto | onednn | torch) is still accepted.
+    draft_kernels: str = "auto"
     # Memory budget for the drafts' per-request KV caches, in MiB (shared by all drafts).
     draft_memory_budget_mb: int = 512
     # Adapt the mixture weights online from each draft's measured agreement with the target.
@@ -105,7 +106,7 @@ class SpecPluginConfig:
         if not isinstance(raw, Mapping):
             raise SpecPluginConfigError(CONFIG_KEY, f"expected an object, got {type(raw).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(set(raw) - known - {"draft_gemm"})  # draft_kernels' former name
         if unknown:
             raise SpecPluginConfigError(
                 unknown[0], f"unknown key; known keys are {', '.join(sorted(known))}"
@@ -119,10 +120,15 @@ class SpecPluginConfig:
             values["draft_weights"] = _weights(raw["draft_weights"])
         if "draft_dtype" in raw:
             values["draft_dtype"] = _choice(raw, "draft_dtype", DRAFT_DTYPES)
-        if "draft_gemm" in raw:
-            from vllm_specplugin.fast_linear import DRAFT_GEMMS
+        if "draft_kernels" in raw or "draft_gemm" in raw:
+            from vllm_specplugin.draft_kernels import DRAFT_GEMM_ALIASES, DRAFT_KERNELS
 
-            values["draft_gemm"] = _choice(raw, "draft_gemm", DRAFT_GEMMS)
+            if "draft_gemm" in raw:
+                if "draft_kernels" in raw:
+                    raise SpecPluginConfigError("draft_gemm", "is the former name of draft_kernels; give only one")
+                values["draft_kernels"] = DRAFT_GEMM_ALIASES[_choice(raw, "draft_gemm", tuple(DRAFT_GEMM_ALIASES))]
+            else:
+                values["draft_kernels"] = _choice(raw, "draft_kernels", DRAFT_KERNELS)
         if "draft_memory_budget_mb" in raw:
             values["draft_memory_budget_mb"] = _positive_int(raw, "draft_memory_budget_mb")
         if raw.get("adaptive_gamma") is not None:

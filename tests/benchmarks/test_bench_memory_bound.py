@@ -5,7 +5,8 @@ them from memory; verifying γ + 1 tokens reuses that one pass. Served configura
 (plain first, so every ratio has its baseline from the same minutes): vLLM's own draft_model
 with the distilled draft, the plugin with the same draft and γ (the like-for-like comparison), the
 plugin's best configuration (adaptive γ by the measured cost model) and a two-draft ensemble; the
-same draft with torch's ``F.linear`` (the draft path before oneDNN products) and in bfloat16.
+same draft on torch's kernels (``draft_kernels: torch``, the draft path before vLLM's CPU kernels) and
+in bfloat16 (the checkpoint's own dtype; vLLM's draft_model runs it in the target's float32).
 ``extra_info`` carries α, γ, c, r and the mean accepted length beside every figure.
 
 Run with ``make bench`` (or ``BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_memory_bound.py``).
@@ -39,8 +40,8 @@ DRAFT = "demo-mb/draft"
 CONFIGS = [
     ServedConfig("plain"),
     builtin_draft_model_config(DRAFT, GAMMA),
-    plugin_config(f"plugin {DRAFT}", [DRAFT], GAMMA),  # oneDNN products (draft_gemm auto)
-    plugin_config(f"plugin {DRAFT} torch F.linear", [DRAFT], GAMMA, draft_gemm="torch"),  # the draft path before
+    plugin_config(f"plugin {DRAFT}", [DRAFT], GAMMA),  # vLLM's CPU kernels (draft_kernels auto)
+    plugin_config(f"plugin {DRAFT} torch kernels", [DRAFT], GAMMA, draft_kernels="torch"),  # the draft path before
     plugin_config(f"plugin {DRAFT} bfloat16", [DRAFT], GAMMA, draft_dtype="bfloat16"),
     plugin_config(f"plugin {DRAFT} adaptive gamma (cost model)", [DRAFT], 6,
                   adaptive_gamma={"mode": "cost_model", "gamma_min": 0, "max_batch": MAX_BATCH}),

@@ -1,0 +1,92 @@
+"""vLLM's CPU kernels for the drafts' lean forward (vllm_specplugin.draft_kernels): the same logits
+as torch's kernels, and chosen as configured."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from vllm_specplugin.config import SpecPluginConfig, SpecPluginConfigError
+from vllm_specplugin.draft_kernels import VLLM_CPU_KERNELS, draft_kernels, onednn_linear, vllm_kernels_available
+from vllm_specplugin.proposers.draft_runtime import DraftBatch, DraftRuntime
+from vllm_specplugin.proposers.lean_llama import TORCH_KERNELS
+from vllm_specplugin.verification.drivers import REPO_ROOT
+
+DRAFT = os.path.join(REPO_ROOT, "models", "demo", "draft-small")
+VOCAB = 4096
+
+needs_kernels = pytest.mark.skipif(vllm_kernels_available() is not None,
+                                   reason=f"no vLLM CPU kernels here: {vllm_kernels_available()}")
+
+
+def test_vllm_kernels_are_available_on_the_cpu_wheel():
+    """The CPU wheel the project pins has vLLM's oneDNN GEMM and its RMSNorm / RoPE / SiLU kernels;
+    if they go, drafts silently lose half their speed, so this fails loudly instead."""
+    assert vllm_kernels_available() is None
+
+
+def _logits_agree(fast: DraftRuntime, plain: DraftRuntime, tolerance: float) -> None:
+    """Batched, ragged (one long row, two short), incremental, and a token tree's masked rows."""
+    gen = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (37, 5, 60)]
+    batches = [rt.open_batch(["a", "b", "c"], contexts) for rt in (fast, plain)]
+    torch.testing.assert_close(batches[0].logits, batches[1].logits, atol=tolerance, rtol=tolerance)
+    for token in (3, 99):
+        torch.testing.assert_close(
+            batches[0].extend([token] * 3), batches[1].extend([token] * 3), atol=tolerance, rtol=tolerance
+        )
+    for batch in batches:
+        batch.close()
+    paths = [[5, 6], [5, 7], [8]]
+    trees = [DraftBatch.branches(rt, "a", contexts[0] + [3, 99], paths) for rt in (fast, plain)]
+    torch.testing.assert_close(trees[0].logits, trees[1].logits, atol=tolerance, rtol=tolerance)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.1)])
+def test_vllm_kernels_lean_forward_equals_torch(dtype, tolerance):
+    """The forward on vLLM's kernels gives torch's logits up to float rounding (bfloat16: up to
+    bfloat16 rounding of different summation orders)."""
+    fast = DraftRuntime(DRAFT, target_vocab_size=VOCAB, dtype=dtype, kernels=VLLM_CPU_KERNELS)
+    plain = DraftRuntime(DRAFT, target_vocab_size=VOCAB, dtype=dtype)
+    assert fast.lean.kernels.name == "vllm" and plain.lean.kernels.name == "torch"
+    _logits_agree(fast, plain, tolerance)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kernel", ["rms_norm", "add_rms_norm", "make_rope", "silu_and_mul", "linear"])
+def test_each_vllm_kernel_alone_equals_torch(kernel):
+    """One vLLM kernel at a time among torch's: a wrong one is named by its own case."""
+    mixed = dataclasses.replace(TORCH_KERNELS, name=f"torch+{kernel}", **{kernel: getattr(VLLM_CPU_KERNELS, kernel)})
+    _logits_agree(DraftRuntime(DRAFT, target_vocab_size=VOCAB, kernels=mixed), DraftRuntime(DRAFT, target_vocab_size=VOCAB),
+                  1e-4)
+
+
+def test_kernel_choice():
+    assert draft_kernels("torch", "cpu") is None
+    assert draft_kernels("auto", "cpu", "float32") is VLLM_CPU_KERNELS
+    assert draft_kernels("auto", "cpu", "bfloat16") is VLLM_CPU_KERNELS
+    assert draft_kernels("auto", "cpu", "float16") is None  # torch, logged
+    assert draft_kernels("auto", "cuda") is None
+    assert VLLM_CPU_KERNELS.linear is onednn_linear
+    with pytest.raises(ValueError, match="draft_kernels 'vllm' is not available: draft_dtype float16"):
+        draft_kernels("vllm", "cpu", "float16")
+    with pytest.raises(ValueError, match="draft_kernels must be one of"):
+        draft_kernels("fast", "cpu")
+
+
+def test_config_key():
+    assert SpecPluginConfig.from_dict({}).draft_kernels == "auto"
+    assert SpecPluginConfig.from_dict({"draft_kernels": "torch"}).draft_kernels == "torch"
+    with pytest.raises(SpecPluginConfigError, match="draft_kernels"):
+        SpecPluginConfig.from_dict({"draft_kernels": "mkl"})
+    # The key's former name (products only) still works: onednn is now the whole vLLM kernel set.
+    assert SpecPluginConfig.from_dict({"draft_gemm": "onednn"}).draft_kernels == "vllm"
+    assert SpecPluginConfig.from_dict({"draft_gemm": "torch"}).draft_kernels == "torch"
+    with pytest.raises(SpecPluginConfigError, match="draft_gemm"):
+        SpecPluginConfig.from_dict({"draft_gemm": "mkl"})
+    with pytest.raises(SpecPluginConfigError, match="draft_gemm"):
+        SpecPluginConfig.from_dict({"draft_gemm": "torch", "draft_kernels": "vllm"})
