@@ -17,6 +17,11 @@ In both modes a request at γ = 0 (possible with ``gamma_min`` 0) is probed with
 pay", and the probes let the request come back once it pays again. A new request starts from
 α = ``initial_alpha``.
 
+Steps that admit a request are left out of the measured costs: its prompt was prefilled in the
+target step just before and is prefilled by the drafts in this call, which a decoding step does
+not pay (at concurrency 4 with 64-token outputs, one step in 16 carries a prompt's prefill, which
+inflated the measured c several-fold and made the rule pick γ ≈ 1).
+
 Batch-aware back-off: in a step with more than ``max_batch`` requests nobody drafts (γ = 0),
 because large batches make the target step compute-bound and speculation stops paying.
 Changing γ never affects exactness: each draft is verified the same way whatever its length.
@@ -118,8 +123,9 @@ class _RequestState:
 class AdaptiveGamma(Proposer):
     """Chooses each request's γ, then lets ``inner`` draft that many tokens."""
 
-    def __init__(self, inner: Proposer, policy: GammaPolicy = GammaPolicy()):
+    def __init__(self, inner: Proposer, policy: GammaPolicy = GammaPolicy(), clock=time.perf_counter):
         self.inner = inner
+        self._clock = clock  # seconds (float); tests drive a synthetic one
         self.policy = policy
         self.vocab_size = inner.vocab_size
         self.metrics = getattr(inner, "metrics", None)
@@ -142,9 +148,12 @@ class AdaptiveGamma(Proposer):
         return None if state is None else state.gamma
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        started = time.perf_counter()
+        started = self._clock()
         ids = {r.request_id for r in requests}
-        if self._last_call_end is not None and ids & self._last_ids:
+        # A request seen for the first time was prefilled by the target's last step and is
+        # prefilled by the drafts now: this step's costs are not a decoding step's.
+        admitting = any(r.request_id not in self._states for r in requests)
+        if self._last_call_end is not None and ids & self._last_ids and not admitting:
             # The engine's work since our last call: one target step verifying what we drafted.
             self.step_costs.observe_target(self._last_drafted, started - self._last_call_end)
         if self.policy.cost_ratio is None:
@@ -160,14 +169,15 @@ class AdaptiveGamma(Proposer):
             self.metrics.backoff_steps += back_off
             for request in chosen:
                 self.metrics.gamma_chosen[request.gamma] = self.metrics.gamma_chosen.get(request.gamma, 0) + 1
-        draft_started = time.perf_counter()
+        draft_started = self._clock()
         drafts = self.inner.propose(chosen)
         drafted = sum(len(d.token_ids) for d in drafts)
-        self.step_costs.observe_draft(drafted, time.perf_counter() - draft_started)
+        if not admitting:
+            self.step_costs.observe_draft(drafted, self._clock() - draft_started)
         for request, draft in zip(requests, drafts):
             state = self._states[request.request_id]
             state.pending = (len(request.context), list(draft.token_ids)) if draft.token_ids else None
-        self._last_call_end = time.perf_counter()
+        self._last_call_end = self._clock()
         self._last_ids = ids
         self._last_drafted = drafted
         return drafts

@@ -133,3 +133,70 @@ def test_threshold_mode_at_gamma_zero_probes_and_comes_back(runtime):
     recovered = [step(proposer, contexts, 6, accept=True)["z"] for _ in range(60)]
     assert proposer.gamma_of("z") == 6, recovered  # back up to the request's budget
     assert recovered[-1] == 6
+
+
+class _ClockedProposer:
+    """A drafter on a synthetic clock: drafting costs ``d`` per token, and a request's first
+    draft also prefills its prompt (``prefill`` seconds), as the plugin's drafts do."""
+
+    vocab_size = 4096
+
+    def __init__(self, clock, d: float, prefill: float):
+        self.clock, self.d, self.prefill, self.seen = clock, d, prefill, set()
+
+    def propose(self, requests):
+        import torch
+
+        from vllm_specplugin.proposers.base import Draft
+
+        drafts = []
+        for request in requests:
+            if request.request_id not in self.seen:
+                self.seen.add(request.request_id)
+                self.clock.now += self.prefill
+            self.clock.now += self.d * request.gamma
+            tokens = [5] * request.gamma
+            drafts.append(Draft(tokens, torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), 4096).float()))
+        return drafts
+
+    def free(self, request_id):
+        self.seen.discard(request_id)
+
+    def tracked_request_ids(self):
+        return set(self.seen)
+
+
+def test_cost_model_leaves_out_steps_that_admit_a_request():
+    """Served at concurrency 4 with short outputs, a request arrives every few steps and its
+    prompt is prefilled by the target (the step before) and by the drafts (this call). Those
+    steps are not decoding steps: the measured c must be the decoding steps' (b + d) / (a / B)."""
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    a, b, d, batch, prefill = 0.008, 0.0004, 0.0002, 4, 0.02
+    proposer = AdaptiveGamma(_ClockedProposer(clock, d, prefill),
+                             GammaPolicy(mode="cost_model", gamma_min=0, probe_every=2), clock=clock)
+    rng = np.random.default_rng(5)
+    live = {f"r{i}": [3] * 30 for i in range(batch)}
+    next_id = batch
+    for step_index in range(400):
+        requests = [DraftRequest(rid, ctx, int(rng.integers(1, 7))) for rid, ctx in live.items()]
+        drafts = proposer.propose(requests)
+        drafted = sum(len(x.token_ids) for x in drafts)
+        clock.now += a + b * drafted  # the target step verifying them
+        for rid in live:
+            live[rid] = live[rid] + [int(rng.integers(3, 4096))]
+        if step_index % 4 == 3:  # a request finishes, a new one arrives: its prefill joins the step
+            finished = next(iter(live))
+            del live[finished]
+            proposer.free(finished)
+            live[f"r{next_id}"] = [3] * 30
+            next_id += 1
+            clock.now += prefill
+    assert proposer.step_costs.slope == pytest.approx(b, rel=0.05)
+    assert proposer.cost_ratio == pytest.approx((b + d) / (a / batch), rel=0.1)
