@@ -5,9 +5,12 @@ expands the frontier nodes with the highest cumulative path probability and give
 likely children, within a node budget. vLLM 0.32 verifies only chains, so by default
 (``verify="chain"``) :class:`TreeProposer` submits one root-to-node path: the one with the
 highest expected accepted length had the target behaved like the draft. With ``verify="tree"``
-it submits every node, parents first, for requests marked ``tree_ok`` (a tree verifier, such as
-``vllm_specplugin/tree_verification.py``, checks them with the one-hot rule: the children are
-fixed by top-k, not drawn); other requests still get the best path. :class:`TokenTree` keeps
+it submits every node, parents first, for requests marked ``tree_ok``; other requests still get
+the best path. A submitted tree at T > 0 has its children *drawn* without replacement from the
+draft (:func:`build_sampled_tree`), verified by recursive rejection sampling, so a rejected
+child's siblings still add acceptance; at T = 0 (or with ``children="topk"``) the children are
+the draft's top-k, verified with the one-hot rule. The tree's ``rule`` says which
+(``vllm_specplugin/tree_verification.py`` walks it with that rule). :class:`TokenTree` keeps
 what a tree verifier needs (every node's draft distribution q and the tree attention mask).
 """
 
@@ -22,10 +25,11 @@ import torch
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.metrics import accepted_count
-from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, processed_probs_rows
+from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, processed_probs_rows, sample
 from vllm_specplugin.proposers.tree_verify import tree_children, tree_depths
 
 ROOT = 0
+TREE_CHILDREN = ("sampled", "topk")
 
 
 @dataclass
@@ -41,6 +45,10 @@ class TokenTree:
     # [num_nodes, V]: for node i > 0 the draft distribution q at its parent, from which its token
     # was chosen (row 0: zeros). A lossless tree verifier needs exactly these.
     node_probs: torch.Tensor
+    # The acceptance rule that is exact for how the children were chosen
+    # (proposers/tree_verify.py's AcceptanceRule values): "one_hot" for top-k children (build_tree),
+    # "without_replacement" for children drawn without replacement (build_sampled_tree).
+    rule: str = "one_hot"
 
     @property
     def num_nodes(self) -> int:
@@ -203,6 +211,93 @@ def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
+def sample_without_replacement(q: torch.Tensor, count: int, generator: torch.Generator | None = None) -> list[int]:
+    """Up to ``count`` distinct tokens drawn one after another from ``q`` [V] without replacement
+    (each draw from q restricted to the tokens not drawn yet, renormalised; exact float64 inverse
+    CDF, :func:`~vllm_specplugin.proposers.sampling.sample`); fewer when q's support runs out."""
+    remaining = q.detach().double().clone()
+    drawn: list[int] = []
+    for _ in range(count):
+        if not float(remaining.sum()) > 0:
+            break
+        token = int(sample(remaining[None], generator)[0])
+        drawn.append(token)
+        remaining[token] = 0
+    return drawn
+
+
+def build_sampled_tree(
+    root_q: torch.Tensor,
+    expand: Callable[[list[list[int]]], torch.Tensor],
+    node_budget: int,
+    depth_limit: int,
+    branching: int,
+    generator: torch.Generator | None = None,
+    draw: Callable[[torch.Tensor, int], list[int]] | None = None,
+) -> TokenTree:
+    """A token tree whose children are drawn without replacement from the draft (T > 0), for
+    verification by recursive rejection sampling (``AcceptanceRule.WITHOUT_REPLACEMENT``).
+
+    Same growth as :func:`build_tree` (per depth, up to ``branching`` children for each of up to
+    ``branching`` frontier nodes, one node per deeper level reserved for the main chain, within
+    ``node_budget``), except that a node's children are *drawn* from its q, one after another
+    without replacement, in that order (their node order), and that how many children a node gets
+    is fixed before any child of that depth is drawn (the main node first, then the frontier in
+    order). So no drawn child is ever dropped for its own token, which recursive rejection
+    sampling needs; which drawn nodes are expanded next may depend on their tokens (the main
+    node's first child, then the highest path probabilities), which it does not mind: at a node,
+    the walk sees children drawn from its q with a count fixed by what was drawn before them.
+    ``draw(q, count)`` replaces the draws (tests enumerate them); default
+    :func:`sample_without_replacement` with ``generator``. The tree's ``rule`` is
+    ``"without_replacement"``.
+    """
+    if node_budget < 0 or depth_limit < 0 or branching < 1:
+        raise ValueError(
+            f"need node_budget >= 0, depth_limit >= 0, branching >= 1; got {node_budget}, {depth_limit}, {branching}"
+        )
+    if draw is None:
+        def draw(q, count):
+            return sample_without_replacement(q, count, generator)
+    vocab = root_q.shape[-1]
+    tokens, parents, depths = [-1], [-1], [0]
+    rows = [torch.zeros(vocab, dtype=torch.float32, device=root_q.device)]
+    cumulative = [1.0]
+    main = ROOT  # the main chain's end: it is always expanded, and its first child continues it
+    frontier, frontier_q = [ROOT], root_q[None].float()
+    for depth in range(1, depth_limit + 1):
+        room = node_budget - (len(tokens) - 1)
+        if room <= 0:
+            break
+        # Counts first, from what is known before this depth's draws.
+        left = max(1, room - (depth_limit - depth))
+        counts = []
+        for _ in frontier:
+            counts.append(min(branching, left))
+            left -= counts[-1]
+        first_new, next_main = len(tokens), None
+        for row, (node, count) in enumerate(zip(frontier, counts)):
+            q = frontier_q[row]
+            for rank, token in enumerate(draw(q, count) if count else []):
+                tokens.append(int(token))
+                parents.append(node)
+                depths.append(depth)
+                rows.append(q.float())
+                cumulative.append(cumulative[node] * float(q[token]))
+                if node == main and rank == 0:
+                    next_main = len(tokens) - 1
+        if len(tokens) == first_new:
+            break
+        main = next_main
+        if depth == depth_limit or len(tokens) - 1 >= node_budget:
+            break
+        new_nodes = range(first_new, len(tokens))
+        others = sorted((n for n in new_nodes if n != main), key=lambda n: -cumulative[n])
+        frontier = ([main] if main is not None else []) + others
+        frontier = frontier[:branching]
+        frontier_q = expand([_path(tokens, parents, n) for n in frontier]).float()
+    return TokenTree(tokens, parents, depths, torch.stack(rows), rule="without_replacement")
+
+
 @dataclass
 class TreeStats:
     """Per-proposer totals for comparing the chosen path with the greedy chain."""
@@ -247,15 +342,21 @@ class TreeProposer(Proposer):
     proposes the path with the highest expected accepted length, as a chain."""
 
     def __init__(self, ensemble: EnsembleProposer, node_budget: int = 16, branching: int = 3,
-                 verify: str = "chain", max_depth: int | None = None):
+                 verify: str = "chain", max_depth: int | None = None, children: str = "sampled"):
         if node_budget < 1 or branching < 1:
             raise ValueError(f"need node_budget >= 1 and branching >= 1, got {node_budget} and {branching}")
         if verify not in ("chain", "tree"):
             raise ValueError(f"verify must be 'chain' or 'tree', got {verify!r}")
+        if children not in TREE_CHILDREN:
+            raise ValueError(f"children must be one of {TREE_CHILDREN}, got {children!r}")
         self.ensemble = ensemble
         self.node_budget = node_budget
         self.branching = branching
         self.verify = verify
+        # How a submitted tree's children are chosen at T > 0: "sampled" (drawn without
+        # replacement, verified by recursive rejection sampling) or "topk" (the draft's most
+        # likely, verified with the one-hot rule). T = 0 and chain mode always use top-k.
+        self.children = children
         # Depth limit: chain mode drafts up to gamma deep (a path); a submitted tree shares its
         # node budget between width and depth, so by default it is ceil(budget / branching) deep
         # (a tree as deep as its budget would be only the greedy chain, see build_tree).
@@ -318,7 +419,10 @@ class TreeProposer(Proposer):
             depth = min(depth, budget, self.max_depth or -(-budget // self.branching))
         elif self.max_depth is not None:
             depth = min(depth, self.max_depth)
-        tree = build_tree(root_q, expand, budget, depth, self.branching)
+        if submit_tree and not request.params.greedy and self.children == "sampled":
+            tree = build_sampled_tree(root_q, expand, budget, depth, self.branching, request.generator)
+        else:
+            tree = build_tree(root_q, expand, budget, depth, self.branching)
         node = tree.best_node(max_depth=depth)
         tokens = tree.path(node)
         self.last_trees[rid] = tree
@@ -335,8 +439,10 @@ class TreeProposer(Proposer):
         if not tokens:
             return self.empty_draft()
         if submit_tree:
-            # Every node, parents first; the verifier uses the one-hot rule (children fixed by
-            # top-k), so q is one-hot at each node's token, as for a chain.
+            # Every node, parents first. The tree verifier walks it with tree.rule and the
+            # tree's own rows (last_trees); the q handed to vLLM is one-hot at each node's token,
+            # which is what vLLM's chain sampler needs should it verify these tokens as a chain
+            # (exact for any drafts chosen without looking at the target, sampled ones included).
             nodes = tree.tokens[1:]
             self._pending[rid] = _Pending(len(context), nodes, list(tree.parents))
             probs = torch.nn.functional.one_hot(torch.tensor(nodes), self.vocab_size).float()

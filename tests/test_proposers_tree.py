@@ -286,3 +286,139 @@ def test_tree_proposer_uses_only_public_ensemble_api_and_draws_nothing(drafts):
         wrapped.free(request.request_id)
         plain.free(request.request_id)
     assert not {"p", "q"} & (wrapped.tracked_request_ids() | plain.tracked_request_ids())
+
+
+# --- trees whose children are drawn without replacement (T > 0, tree verification) -----------
+
+
+def enumerate_draws(run):
+    """Every outcome of ``run(draw)`` over all sequences of draws, with its probability: ``draw(q,
+    count)`` draws up to ``count`` tokens from ``q`` without replacement, as build_sampled_tree's
+    default does, but each sequence of choices is replayed once (depth-first over the choices)."""
+    pending = [[]]
+    while pending:
+        script = pending.pop()
+        state = {"prob": 1.0, "taken": []}
+
+        def draw(q, count, script=script, state=state):
+            remaining, out = q.double().clone(), []
+            for _ in range(count):
+                total = float(remaining.sum())
+                if total <= 0:
+                    break
+                position = len(state["taken"])
+                if position < len(script):
+                    token = script[position]
+                else:
+                    support = (remaining > 0).nonzero().flatten().tolist()
+                    token = support[0]
+                    pending.extend(state["taken"] + [alt] for alt in support[1:])
+                state["prob"] *= float(remaining[token]) / total
+                state["taken"].append(token)
+                remaining[token] = 0
+                out.append(token)
+            return out
+
+        result = run(draw)
+        yield state["prob"], result
+
+
+def _markov(vocab: int, seed: int, zeros: bool):
+    """A Markov target p and draft q (next-token law given the last token), float64."""
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.ones(vocab) * 0.7, size=vocab + 1)
+    q = 0.5 * p + 0.5 * rng.dirichlet(np.ones(vocab) * 0.7, size=vocab + 1)
+    if zeros:
+        q[:, 0] = 0  # token 0 is never drafted; the target still emits it
+        q /= q.sum(1, keepdims=True)
+    return torch.from_numpy(p), torch.from_numpy(q)
+
+
+def _sampled_tree_law(p, q, budget, branching, rule, fault=None, length=2):
+    """Exact law of the first ``length`` emitted tokens: trees from build_sampled_tree (every draw
+    enumerated), each walked with ``rule`` (emission_distribution), continued by fresh trees."""
+    from vllm_specplugin.proposers.tree import build_sampled_tree
+    from vllm_specplugin.proposers.tree_verify import draft_probs_from_tree, emission_distribution
+
+    vocab = p.shape[1]
+
+    def row(matrix, context):
+        return matrix[context[-1] if context else vocab]
+
+    memo = {}
+
+    def law(context, length):
+        if length == 0:
+            return {(): 1.0}
+        if (context, length) in memo:
+            return memo[(context, length)]
+        out = memo[(context, length)] = {}
+
+        def run(draw):
+            return build_sampled_tree(
+                row(q, context).float(), lambda paths: torch.stack([row(q, context + tuple(x)) for x in paths]).float(),
+                budget, -(-budget // branching), branching, draw=draw)
+
+        for weight, tree in enumerate_draws(run):
+            target = torch.stack([row(p, context + tuple(tree.path(n))) for n in range(tree.num_nodes)])
+            step = emission_distribution(target, draft_probs_from_tree(tree), tree.parents, tree.tokens, rule,
+                                         fault=fault)
+            for emitted, prob in step.items():
+                if len(emitted) >= length:
+                    out[emitted[:length]] = out.get(emitted[:length], 0.0) + weight * prob
+                else:
+                    for more, r in law(context + emitted, length - len(emitted)).items():
+                        out[emitted + more] = out.get(emitted + more, 0.0) + weight * prob * r
+        return out
+
+    return law((), length)
+
+
+def _markov_target_law(p, length=2):
+    vocab = p.shape[1]
+    out = {(): 1.0}
+    for _ in range(length):
+        out = {seq + (t,): prob * float(p[seq[-1] if seq else vocab][t]) for seq, prob in out.items()
+               for t in range(vocab) if p[seq[-1] if seq else vocab][t] > 0}
+    return out
+
+
+def _tv(a, b):
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+@pytest.mark.parametrize("seed,zeros", [(0, False), (1, True)])
+@pytest.mark.parametrize("budget,branching", [(3, 2), (4, 2), (4, 3)])
+def test_sampled_trees_with_recursive_rejection_sampling_are_exact(seed, zeros, budget, branching):
+    """Children drawn without replacement by build_sampled_tree and walked with the
+    without-replacement rule (recursive rejection sampling) emit the target's law exactly, by
+    enumeration of every draw (float64); the one-hot rule on the same trees is exact too; the
+    known wrong variants (q not renormalised, the residual not updated, the i.i.d. rule) are not."""
+    p, q = _markov(4, seed, zeros)
+    truth = _markov_target_law(p)
+    assert _tv(_sampled_tree_law(p, q, budget, branching, "without_replacement"), truth) < 1e-12
+    assert _tv(_sampled_tree_law(p, q, budget, branching, "one_hot"), truth) < 1e-12
+    for rule, fault in (("without_replacement", "q_not_updated"), ("without_replacement", "residual_not_updated"),
+                        ("iid", None)):
+        assert _tv(_sampled_tree_law(p, q, budget, branching, rule, fault), truth) > 1e-3, (rule, fault)
+
+
+def test_sampled_tree_shape_and_draws():
+    from vllm_specplugin.proposers.tree import build_sampled_tree, sample_without_replacement
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    for _ in range(20):
+        drawn = sample_without_replacement(q, 5, generator)
+        assert len(drawn) == 3 and sorted(drawn) == [0, 1, 2]  # distinct, never a q = 0 token
+    counts = np.zeros(4)
+    for _ in range(4000):
+        counts[sample_without_replacement(q, 1, generator)[0]] += 1
+    assert np.abs(counts / 4000 - q.numpy()).max() < 0.03
+    tree = build_sampled_tree(torch.full((32,), 1 / 32), lambda paths: torch.full((len(paths), 32), 1 / 32), 6, 3, 2,
+                              generator)
+    assert tree.rule == "without_replacement" and tree.num_nodes == 7
+    assert tree.parents == [-1, 0, 0, 1, 1, 2, 3]  # main chain 0-1-3-6; the budget reserves its depth 3
+    for node in range(tree.num_nodes):
+        kids = tree.children(node)
+        assert len({tree.tokens[k] for k in kids}) == len(kids)  # without replacement

@@ -115,6 +115,80 @@ def test_walk_accepts_a_second_child_and_the_fault_cannot():
     assert tv.compaction_moves(accepted) == [(3, 2), (6, 3)] and tv.non_first_children(PARENTS, accepted) == 0
 
 
+def _walk_law(target, draft, tokens, fault, rule="one_hot", samples=4000):
+    """Empirical law of the first emitted token of ``tv.walk_tree`` (T > 0)."""
+    generator = torch.Generator().manual_seed(0)
+    counts = np.zeros(target.shape[1])
+    for _ in range(samples):
+        _, emitted = tv.walk_tree(target, PARENTS, tokens, greedy=False, generator=generator, fault=fault,
+                                  draft_probs=draft, rule=rule)
+        counts[emitted[0]] += 1
+    return counts / samples
+
+
+@pytest.mark.parametrize("fault", tv.WALK_FAULTS)
+def test_walk_faults_reach_the_walk_and_change_its_law(fault):
+    """The walk faults act in the engine's walk (T > 0). On a fixed top-k tree the one-hot walk's
+    first emitted token has the target's law (exact by enumeration, and sampled) and the faults
+    move it far; q_not_updated acts on the without-replacement walk (whose exactness is over the
+    draws of the children, tests/test_proposers_tree.py): its law on a fixed tree changes too. The
+    sampled walk follows the enumerated law in every case."""
+    from vllm_specplugin.proposers.tree_verify import emission_distribution
+
+    vocab = 8
+    tokens = [-1, 5, 6, 1, 2, 3, 4]
+    rng = np.random.default_rng(0)
+    target = torch.from_numpy(rng.dirichlet(np.ones(vocab), size=len(PARENTS)))
+    draft = torch.from_numpy(rng.dirichlet(np.ones(vocab), size=len(PARENTS)))
+    for j, kids in enumerate([[1, 2], [3, 4], [5], [6]]):  # the children are the draft's top tokens
+        for rank, kid in enumerate(kids):
+            draft[j, tokens[kid]] = 2.0 - 0.5 * rank
+        draft[j] /= draft[j].sum()
+    # At the root: the draft favours the first child's token, the target the second's.
+    target[0] = 0.05
+    target[0, 5], target[0, 6] = 0.2, 0.5
+    draft[0] = 0.1 / 6
+    draft[0, 5], draft[0, 6] = 0.5, 0.4
+
+    rule = "without_replacement" if fault == "q_not_updated" else "one_hot"
+
+    def first_token_law(f):
+        law = np.zeros(vocab)
+        for seq, weight in emission_distribution(target, draft, PARENTS, tokens, rule, fault=f).items():
+            law[seq[0]] += weight
+        return law
+
+    honest = first_token_law(None)
+    if rule == "one_hot":
+        np.testing.assert_allclose(honest, target[0].numpy(), atol=1e-12)
+    assert np.abs(_walk_law(target, draft, tokens, None, rule) - honest).max() < 0.03
+    faulty = first_token_law(fault)
+    assert 0.5 * np.abs(faulty - honest).sum() > 0.05
+    assert np.abs(_walk_law(target, draft, tokens, fault, rule) - faulty).max() < 0.03
+    if fault != "residual_not_updated":
+        with pytest.raises(ValueError, match="draft rows"):
+            tv.walk_tree(target, PARENTS, tokens, greedy=False, generator=None, fault=fault, rule=rule)
+
+
+def test_drafted_rows_come_from_the_scheduled_tree():
+    from vllm_specplugin.proposers.tree import TokenTree
+
+    probs = torch.rand(len(PARENTS), 8)
+    tree = TokenTree([-1, 5, 6, 1, 2, 3, 4], list(PARENTS), [0, 1, 1, 2, 2, 2, 3], probs)
+    for kids in ([1, 2], [3, 4]):  # siblings carry their parent's row
+        probs[kids[1]] = probs[kids[0]]
+    proposer = types.SimpleNamespace(last_trees={"a": tree})
+    runner = types.SimpleNamespace(drafter=types.SimpleNamespace(proposer=types.SimpleNamespace(inner=proposer)))
+    entry = tv.TreeEntry(0, "a", 0, [-1, 0, 0, 1], [-1, 5, 6, 1], tree_attention_mask([-1, 0, 0, 1]))
+    rows = tv.drafted_rows(runner, entry)
+    assert rows.shape == (4, 8) and rows.dtype == torch.float64
+    assert torch.equal(rows[0], probs[1].double()) and torch.equal(rows[1], probs[3].double())
+    for bad in (tv.TreeEntry(0, "a", 0, [-1, 0, 0, 1], [-1, 5, 6, 9], entry.mask),
+                tv.TreeEntry(0, "b", 0, [-1, 0, 0, 1], [-1, 5, 6, 1], entry.mask)):
+        with pytest.raises(RuntimeError, match="not the scheduled one"):
+            tv.drafted_rows(runner, bad)
+
+
 def test_first_child_subtree():
     assert tv.first_child_subtree(PARENTS) == [0, 1, 3, 6]
 
@@ -141,6 +215,9 @@ def test_fault_names_are_checked(monkeypatch):
         tv.requested_fault()
     monkeypatch.setenv(tv.FAULT_ENV, "no_kv_compaction")
     assert tv.requested_fault() == "no_kv_compaction"
+    for fault in ("residual_not_updated", "iid_on_topk"):  # proposers/tree_verify.py's, in the engine walk
+        monkeypatch.setenv(tv.FAULT_ENV, fault)
+        assert tv.requested_fault() == fault
 
 
 def test_config_verify_key():

@@ -25,6 +25,16 @@ class SamplingConfig:
         return dict(self.__dict__)
 
 
+def request_seed(base: int | None, prompt_index: int, first_sample: int, samples_per_prompt: int) -> int | None:
+    """The seed of one request for ``n`` samples of a prompt, starting at sample ``first_sample``.
+
+    vLLM seeds a request's k-th sample (of ``n``) with seed + k, so each prompt owns the seeds
+    [base + prompt_index * samples_per_prompt, ...) and no two samples of the whole task share a
+    random stream (the chain-rule test sums the prompts' statistics as independent; with seed +
+    prompt_index, prompt 0's sample k + 1 and prompt 1's sample k were the same draw)."""
+    return None if base is None else base + prompt_index * samples_per_prompt + first_sample
+
+
 @dataclass(frozen=True)
 class GenerationTask:
     """Sample ``sampling.n`` continuations of each prompt (token ids)."""
@@ -133,7 +143,7 @@ def run_http(
                 samples: list[list[int]] = []
                 while len(samples) < sp.n:
                     n = min(max_n_per_request, sp.n - len(samples))
-                    seed = None if sp.seed is None else sp.seed + prompt_index + 1000 * len(samples)
+                    seed = request_seed(sp.seed, prompt_index, len(samples), sp.n)
                     completion = client.completions.create(
                         model=model, prompt=prompt, n=n, max_tokens=sp.max_tokens,
                         temperature=sp.temperature, top_p=sp.top_p, seed=seed, logprobs=None,

