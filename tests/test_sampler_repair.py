@@ -92,3 +92,68 @@ def test_apply_modes(platform_fallbacks, mode, repaired):
     assert correct is repaired
     # Idempotent: applying again changes nothing.
     assert sampler_repair.apply(mode) is False
+
+
+# -- the empty top-k crash (a speculative step without drafts, top-k without top-p, T > 0) --------
+
+
+@pytest.fixture
+def vllm_top_k():
+    """vLLM's own apply_top_k_top_p in the rejection sampler's namespace, restored afterwards."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    if not current_platform.is_cpu():
+        pytest.skip("the crash is in the CPU (no Triton) top-k path")
+    installed = rejection_sampler.apply_top_k_top_p
+    rejection_sampler.apply_top_k_top_p = topk_topp_sampler.apply_top_k_top_p
+    yield rejection_sampler
+    rejection_sampler.apply_top_k_top_p = installed
+
+
+def _constraints(rejection_sampler, logits, batch: int):
+    """What vLLM's RejectionSampler.forward does to the target logits of a step: `batch` requests
+    at T = 0.8 with top-k 40 and no top-p; `logits` holds one row per draft token."""
+    from types import SimpleNamespace
+
+    per_request = [logits.shape[0] // batch] * batch
+    per_request[-1] += logits.shape[0] - sum(per_request)
+    metadata = SimpleNamespace(all_greedy=False, temperature=torch.full((batch,), 0.8),
+                               top_k=torch.full((batch,), 40, dtype=torch.int32), top_p=None)
+    cu = torch.tensor(per_request, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return rejection_sampler.apply_sampling_constraints(logits, cu, metadata)
+
+
+def test_vllm_cpu_top_k_crashes_on_a_step_without_drafts(platform_fallbacks, vllm_top_k):
+    """The bug as vLLM 0.32 ships it: an empty block of target logits kills the engine."""
+    if not version.is_tested_version():
+        pytest.skip(f"vLLM {version.vllm_version()}: the crash was read in 0.32")
+    assert sampler_repair.empty_top_k_is_broken(vllm_top_k.apply_top_k_top_p)
+    with pytest.raises(RuntimeError, match="numel\\(\\) == 0"):
+        _constraints(vllm_top_k, torch.empty(0, 64), batch=4)
+
+
+def test_empty_top_k_repair(platform_fallbacks, vllm_top_k):
+    """With the repair, a step without drafts passes (the engine lives), and a step with drafts
+    gets exactly vLLM's own processing (top-k 40 of 64 logits, temperature 0.8)."""
+    sampler_repair.apply("auto")  # both repairs: the expand one makes the per-token top-k real
+    assert sampler_repair.apply_empty_top_k_repair() is False  # installed, and idempotent
+    assert not sampler_repair.empty_top_k_is_broken(vllm_top_k.apply_top_k_top_p)
+    empty = _constraints(vllm_top_k, torch.empty(0, 64), batch=4)
+    assert tuple(empty.shape) == (0, 64)
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    repaired = _constraints(vllm_top_k, logits.clone(), batch=2)
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    vllm_top_k.apply_top_k_top_p = topk_topp_sampler.apply_top_k_top_p  # vLLM's own, non-empty works
+    expected = _constraints(vllm_top_k, logits.clone(), batch=2)
+    assert torch.equal(repaired, expected)
+    assert (torch.isfinite(repaired).sum(-1) == 40).all()
+
+
+def test_sampler_repair_apply_installs_the_top_k_repair_in_every_mode(platform_fallbacks, vllm_top_k):
+    """apply() runs in every worker (WorkerWrapperBase.init_device); the top-k repair changes no
+    distribution, so cpu_sampler_repair = off leaves it on too."""
+    sampler_repair.apply("off")
+    assert getattr(vllm_top_k.apply_top_k_top_p, sampler_repair._EMPTY_TOP_K_MARK, False)

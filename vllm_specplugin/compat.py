@@ -47,7 +47,46 @@ def check_vllm_internals() -> list[str]:
     _check_runner_shim_internals(need)
     _check_draft_kernels_internals(need)
     _check_tree_verification_internals(need)
+    _check_empty_top_k_internals(need)
+    _check_shutdown_internals(need)
     return problems
+
+
+def _check_shutdown_internals(need) -> None:
+    """vllm_specplugin.shutdown_repair: AsyncLLM.shutdown stops the engine, then cancels the output
+    handler, the only task that fails in-flight requests; the API server calls it on SIGTERM."""
+    from vllm.entrypoints.launchers import launcher
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    shutdown = inspect.unwrap(AsyncLLM.shutdown)
+    need(list(inspect.signature(shutdown).parameters)[:2] == ["self", "timeout"], "AsyncLLM.shutdown(self, timeout)")
+    source = inspect.getsource(shutdown)
+    need("engine_core.shutdown(" in source and "cancel_task_threadsafe(handler)" in source,
+         "AsyncLLM.shutdown stops the engine core, then cancels the output handler task")
+    need(callable(getattr(OutputProcessor, "propagate_error", None))
+         and callable(getattr(OutputProcessor, "get_num_unfinished_requests", None)),
+         "OutputProcessor.propagate_error / get_num_unfinished_requests")
+    need("self.output_handler: asyncio.Task | None" in inspect.getsource(AsyncLLM.__init__),
+         "AsyncLLM.output_handler is the asyncio task that owns the request queues' loop")
+    need("engine_client.shutdown, timeout=timeout" in inspect.getsource(launcher.serve_http),
+         "the API server calls engine_client.shutdown on SIGTERM/SIGINT")
+
+
+def _check_empty_top_k_internals(need) -> None:
+    """vllm_specplugin.sampler_repair.apply_empty_top_k_repair: the rejection sampler runs in every
+    step of a speculative engine (drafts or not) and masks top-k/top-p through the module-level
+    ``apply_top_k_top_p`` it imported, which the repair wraps."""
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    need(callable(getattr(rejection_sampler, "apply_top_k_top_p", None)), "rejection_sampler.apply_top_k_top_p")
+    need(list(inspect.signature(rejection_sampler.apply_top_k_top_p).parameters) == ["logits", "k", "p"],
+         "rejection_sampler.apply_top_k_top_p(logits, k, p)")
+    need("return apply_top_k_top_p(logits, top_k, top_p)" in inspect.getsource(rejection_sampler.apply_sampling_constraints),
+         "apply_sampling_constraints masks through the module-level apply_top_k_top_p")
+    need("use_spec_decode = self.speculative_config is not None" in inspect.getsource(GPUModelRunner._prepare_inputs),
+         "every step of a speculative engine builds spec-decode metadata (steps without drafts reach the sampler)")
 
 
 def _check_tree_verification_internals(need) -> None:

@@ -19,6 +19,20 @@ then logs a warning in every process. Each fault breaks exactness in a way a rea
 The first five act inside vLLM's rejection sampler, the last on the plugin's side. One more
 fault the harness must catch is vLLM-CPU's own expand_kernel bug, obtained with
 ``{"specplugin": {"cpu_sampler_repair": "off"}}``.
+
+**Draft faults** (``SPECPLUGIN_DRAFT_FAULT``; robustness, not exactness: the plugin must survive
+them with exact, complete outputs). A comma-separated list of:
+
+- ``raise:P``: a fraction P of the drafting steps (``MultiDraftProposer._draft_step``) raise
+  ``InjectedDraftFault`` from one of their first three draft forwards (``DraftRuntime._run``),
+  drawn at random (a draft that crashes on some steps, before or after updating its caches);
+- ``nan:P``: in a fraction P of the drafting steps one of the first three forwards returns NaN
+  logits;
+- ``slow:Nms``: each draft forward sleeps N milliseconds first (a draft much slower than the target);
+- ``seed:S``: the seed of the faults' random stream (default 0; each process has its own stream).
+
+For example ``SPECPLUGIN_DRAFT_FAULT=raise:0.1,slow:20ms``. Installed by ``MultiDraftProposer``
+in the worker; every process that loads the plugin logs a warning while the variable is set.
 """
 
 from __future__ import annotations
@@ -26,6 +40,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import random
+import re
+import time
 
 import torch
 
@@ -39,6 +56,7 @@ _MARK = "_specplugin_fault"
 
 
 def requested_fault() -> str | None:
+    draft_faults()  # validated (and announced) in every process too
     fault = os.environ.get(ENV_VAR, "").strip() or None
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"{ENV_VAR}={fault!r}: expected one of {list(FAULTS)}")
@@ -131,3 +149,135 @@ def _handoff_q_temperature(original):
         return torch.where(total > 0, squared / total.clamp_min(torch.finfo(probs.dtype).tiny), probs)
 
     return take_last_draft_probs
+
+
+# -- draft faults (robustness) -----------------------------------------------------------------
+
+DRAFT_ENV_VAR = "SPECPLUGIN_DRAFT_FAULT"
+_DRAFT_MARK = "_specplugin_draft_fault"
+
+
+class InjectedDraftFault(RuntimeError):
+    """The exception a draft forward raises under ``SPECPLUGIN_DRAFT_FAULT=raise:P``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftFaults:
+    raise_p: float = 0.0
+    nan_p: float = 0.0
+    slow_s: float = 0.0
+    seed: int = 0
+
+    def __str__(self) -> str:
+        parts = [f"raise:{self.raise_p:g}" if self.raise_p else "", f"nan:{self.nan_p:g}" if self.nan_p else "",
+                 f"slow:{self.slow_s * 1000:g}ms" if self.slow_s else ""]
+        return ",".join(p for p in parts if p) or "none"
+
+
+def parse_draft_faults(text: str) -> DraftFaults | None:
+    """``"raise:0.2,nan:0.1,slow:50ms,seed:3"`` -> DraftFaults; empty -> None; anything else: ValueError."""
+    values: dict[str, float | int] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, _, value = item.partition(":")
+        try:
+            if name in ("raise", "nan"):
+                probability = float(value)
+                if not 0.0 <= probability <= 1.0:
+                    raise ValueError
+                values[f"{name}_p"] = probability
+            elif name == "slow":
+                match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(ms|s)?", value.strip())
+                if match is None:
+                    raise ValueError
+                values["slow_s"] = float(match.group(1)) / (1000.0 if match.group(2) in (None, "ms") else 1.0)
+            elif name == "seed":
+                values["seed"] = int(value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"{DRAFT_ENV_VAR}={text!r}: cannot read {item!r}; expected a comma-separated list of "
+                "raise:P, nan:P (fractions of drafting steps), slow:Nms, seed:S"
+            ) from None
+    return DraftFaults(**values) if values else None
+
+
+def draft_faults() -> DraftFaults | None:
+    """The draft faults the environment asks for (warned about once per process), or None."""
+    faults = parse_draft_faults(os.environ.get(DRAFT_ENV_VAR, ""))
+    if faults is not None:
+        log_once("warning", f"DRAFT FAULT INJECTED ({DRAFT_ENV_VAR}={faults}): the draft models deliberately "
+                            "misbehave (a robustness test; outputs must stay exact). Never set it in serving.")
+    return faults
+
+
+def install_draft_faults(runtime_class=None, adapter_class=None) -> DraftFaults | None:
+    """Wrap ``DraftRuntime._run`` (the one place every draft forward goes through) with the faults
+    of ``SPECPLUGIN_DRAFT_FAULT``, and ``MultiDraftProposer._draft_step`` (one drafting step) to
+    draw which steps misbehave; a no-op when the variable is unset. Idempotent."""
+    faults = draft_faults()
+    if faults is None:
+        return None
+    if runtime_class is None:
+        from vllm_specplugin.proposers.draft_runtime import DraftRuntime as runtime_class
+    if adapter_class is None:
+        from vllm_specplugin.adapters import MultiDraftProposer as adapter_class
+    if getattr(runtime_class._run, _DRAFT_MARK, False):
+        return faults
+    state = _FaultState(faults)
+    for owner, name, make in ((adapter_class, "_draft_step", state.step_wrapper),
+                              (runtime_class, "_run", state.forward_wrapper)):
+        original = getattr(owner, name)
+        wrapper = functools.wraps(original)(make(original))
+        setattr(wrapper, _DRAFT_MARK, True)
+        setattr(owner, name, wrapper)
+    return faults
+
+
+class _FaultState:
+    """Which forward of the current drafting step raises or returns NaN (None: none).
+
+    A step is faulty with the fault's probability; the faulty forward is drawn uniformly among
+    the first three of the step (the first forwards bring the caches up to date, the next ones
+    extend the draft), so failures hit both fresh and half-updated draft state; NaN counts only
+    forwards that return logits (a long prompt's solo prefill returns none). A step with fewer
+    forwards than the one drawn runs clean."""
+
+    def __init__(self, faults: DraftFaults):
+        self.faults = faults
+        self.rng = random.Random(faults.seed)
+        self.forwards = 0
+        self.logit_forwards = 0  # forwards that returned logits (a prompt's solo prefill does not)
+        self.raise_at: int | None = None
+        self.nan_at: int | None = None
+
+    def new_step(self) -> None:
+        self.forwards = self.logit_forwards = 0
+        self.raise_at = self.rng.randint(1, 3) if self.rng.random() < self.faults.raise_p else None
+        self.nan_at = self.rng.randint(1, 3) if self.rng.random() < self.faults.nan_p else None
+
+    def step_wrapper(self, original):
+        def _draft_step(adapter, *args, **kwargs):
+            self.new_step()
+            return original(adapter, *args, **kwargs)
+
+        return _draft_step
+
+    def forward_wrapper(self, original):
+        def _run(runtime, *args, **kwargs):
+            if self.faults.slow_s:
+                time.sleep(self.faults.slow_s)
+            self.forwards += 1
+            if self.forwards == self.raise_at:
+                raise InjectedDraftFault(f"injected draft fault ({DRAFT_ENV_VAR}): forward {self.forwards} of this "
+                                         f"step of draft {getattr(runtime, 'name', '?')} raised")
+            logits, hidden = original(runtime, *args, **kwargs)
+            if logits is not None:
+                self.logit_forwards += 1
+                if self.logit_forwards == self.nan_at:
+                    logits = torch.full_like(logits, float("nan"))
+            return logits, hidden
+
+        return _run

@@ -31,10 +31,11 @@ def install() -> None:
         )
         return
     _wrap_worker_init()
-    from vllm_specplugin import runner_shim, tree_verification
+    from vllm_specplugin import runner_shim, shutdown_repair, tree_verification
 
     runner_shim.install()
     tree_verification.install()
+    shutdown_repair.apply()  # SIGTERM under load: in-flight requests end with an error, no hang
 
 
 def wrap_once(owner, name: str, make_wrapper) -> None:

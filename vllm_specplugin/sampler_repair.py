@@ -7,6 +7,16 @@ uninitialised memory. This module registers a dtype-preserving implementation in
 
 It must run *after* the platform registers its fallbacks (see ``patches.py``), otherwise the
 platform's registration overwrites it.
+
+A second repair, :func:`apply_empty_top_k_repair`, is applied from the same place: vLLM 0.32's
+rejection sampler runs in *every* step of a speculative engine, also in steps where no request
+has a draft (a prefill, or every drafter proposing nothing); it then processes an empty
+``[0, V]`` block of target logits. On CPU (no Triton) ``apply_top_k_top_p`` with top-k and
+without top-p takes ``apply_top_k_only``, whose ``k.max()`` raises on the empty ``k``, and the
+engine dies ("max(): Expected reduction dim to be specified for input.numel() == 0"). Any
+request at T > 0 with ``top_k`` and no ``top_p`` does it, with any speculative method (vLLM's
+``ngram`` and ``draft_model`` too). The repair returns empty logits unchanged; non-empty ones
+take vLLM's own code, so no distribution changes.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from vllm_specplugin import version
 from vllm_specplugin.logging_utils import log_once
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+_EMPTY_TOP_K_MARK = "_specplugin_empty_top_k_repair"
 
 
 def expand_kernel_repaired(
@@ -66,8 +77,11 @@ def registered_expand_impl():
 def apply(mode: str) -> bool:
     """Install the repair according to ``mode`` (auto/on/off). Returns True if it installed it.
 
-    Safe to call repeatedly: it probes whatever is registered now.
+    Safe to call repeatedly: it probes whatever is registered now. The empty top-k repair
+    (:func:`apply_empty_top_k_repair`) is applied first, whatever ``mode`` says: it changes no
+    distribution, it only keeps the engine alive.
     """
+    apply_empty_top_k_repair()
     impl = registered_expand_impl()
     if impl is None or impl is expand_kernel_repaired:
         # No CPU fallback registered (CUDA, or Triton-CPU present), or already repaired.
@@ -98,5 +112,58 @@ def apply(mode: str) -> bool:
         "info",
         f"Repaired vLLM {version.vllm_version()} CPU expand_kernel (vllm-project/vllm#55005): "
         "speculative rejection sampling now reads the real per-token temperature/top-k/top-p.",
+    )
+    return True
+
+
+# -- the empty top-k crash ---------------------------------------------------------------------
+
+
+def empty_top_k_is_broken(impl) -> bool:
+    """Probe ``apply_top_k_top_p(logits, k, p)`` with zero rows, top-k set and top-p off, as
+    vLLM's rejection sampler calls it in a step without drafts."""
+    try:
+        out = impl(torch.empty(0, 8), torch.empty(0, dtype=torch.int64), None)
+    except Exception:  # noqa: BLE001 - any failure on an empty batch is the crash
+        return True
+    return tuple(out.shape) != (0, 8)
+
+
+def _skipping_empty(original):
+    def apply_top_k_top_p(logits, k, p):
+        if logits.shape[0] == 0:
+            return logits  # nothing to mask; vLLM's CPU top-k path raises on an empty k
+        return original(logits, k, p)
+
+    setattr(apply_top_k_top_p, _EMPTY_TOP_K_MARK, True)
+    apply_top_k_top_p.__wrapped__ = original
+    apply_top_k_top_p.__doc__ = original.__doc__
+    return apply_top_k_top_p
+
+
+def apply_empty_top_k_repair() -> bool:
+    """Wrap the ``apply_top_k_top_p`` that vLLM's rejection sampler calls so that an empty block
+    of target logits passes through, on the tested vLLM series, when a probe shows the crash.
+    Returns True if it installed the wrapper now (idempotent: False once installed)."""
+    if not version.is_tested_version():
+        return False
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu():
+        return False  # the crash is in the PyTorch fallback CPU takes (no Triton); not probed elsewhere
+
+    current = rejection_sampler.apply_top_k_top_p
+    if getattr(current, _EMPTY_TOP_K_MARK, False):
+        return False
+    if not empty_top_k_is_broken(current):
+        log_once("info", "apply_top_k_top_p passed the empty-batch probe; no top-k repair needed.")
+        return False
+    rejection_sampler.apply_top_k_top_p = _skipping_empty(current)
+    log_once(
+        "info",
+        f"Repaired vLLM {version.vllm_version()} rejection sampler on CPU: a step without draft tokens "
+        "no longer crashes in apply_top_k_only (k.max() of an empty tensor) for requests with top_k "
+        "and no top_p.",
     )
     return True
