@@ -103,7 +103,9 @@ def _measure(job: dict) -> dict:
             llm.generate([prompt], params, use_tqdm=False)
             profiler.disable()
             buffer = io.StringIO()
-            pstats.Stats(profiler, stream=buffer).sort_stats("tottime").print_stats(30)
+            stats = pstats.Stats(profiler, stream=buffer)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(60)  # where each step's time goes, by caller
             profile_text = buffer.getvalue()
             continue
         out = llm.generate([prompt], params, use_tqdm=False)[0]
