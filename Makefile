@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup test test-fast demo demo-repair models bench bench-compare bench-history clean
+.PHONY: setup test test-fast demo demo-repair models bench bench-compare bench-history soak clean
 
 setup:
 	@bash ci/setup_venv.sh
@@ -31,6 +31,12 @@ bench-compare: setup
 # Every saved run's speedups as a table, and runs/benchmarks/history.png.
 bench-history: setup
 	@$(PY) -m vllm_specplugin.throughput.bench_history show
+
+# Soak (issue 14): the server with the plugin (every strategy on) under >= 2000 mixed requests over
+# >= 10 min; checks every answer, worker RSS slope, tracked_requests, greedy = plain decoding.
+# JSON report and plot in runs/soak/. The short tier runs in `make test` (tests/server/test_soak_short.py).
+soak: setup
+	@source ci/env.sh && $(PY) -m vllm_specplugin.verification.soak $(SOAK_ARGS)
 
 models: setup
 	@$(PY) -m models.build
