@@ -330,7 +330,7 @@ def test_shape_mismatches_are_refused():
 
 def test_rows_must_be_distributions():
     off = _uniform(3, 4)
-    off[1, 0] += 2e-6
+    off[1, 0] += 2e-3
     with pytest.raises(ValueError, match=r"target_probs\[1\] sums to"):
         verify_tree(off, None, [-1, 0, 0], [-1, 1, 2], "one_hot")
     with pytest.raises(ValueError, match=r"draft_probs\[1\] sums to"):
@@ -338,7 +338,7 @@ def test_rows_must_be_distributions():
     # A leaf's draft row is never read, so it is not checked; within tolerance passes.
     verify_tree(_uniform(3, 4), off, [-1, 0, 0], [-1, 1, 2], "iid")
     near = _uniform(3, 4)
-    near[0, 0] += 5e-7
+    near[0, 0] += 5e-4  # float32 rows over a large vocabulary sum to 1 only approximately
     verify_tree(near, None, [-1, 0, 0], [-1, 1, 2], "one_hot")
     negative = _uniform(3, 4)
     negative[1, :2] = torch.tensor([-0.25, 0.75], dtype=torch.float64)
