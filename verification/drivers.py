@@ -71,9 +71,12 @@ def run_offline(
     timeout_s: float = 900,
     log_path: str | None = None,
     extra_env: dict | None = None,
+    engine_options: dict | None = None,
 ) -> EngineRun:
-    """Run ``tasks`` on one fresh vLLM engine, in its own process."""
+    """Run ``tasks`` on one fresh vLLM engine, in its own process. ``engine_options``: more
+    ``vllm.LLM`` arguments (e.g. ``enable_chunked_prefill``, ``max_num_batched_tokens``)."""
     job = dict(
+        engine_options=engine_options or {},
         model=model,
         tasks=[{"prompts": t.prompts, "sampling": t.sampling.as_dict()} for t in tasks],
         speculative_config=speculative_config,

@@ -53,7 +53,7 @@ def run(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(
+    options = dict(
         model=job["model"],
         dtype=job.get("dtype", "float32"),
         max_model_len=job.get("max_model_len", 512),
@@ -65,6 +65,8 @@ def run(job: dict) -> dict:
         max_num_seqs=job.get("max_num_seqs", 256),
         disable_log_stats=False,
     )
+    options.update(job.get("engine_options", {}))  # the caller's engine arguments win
+    llm = LLM(**options)
     startup_s = time.perf_counter() - t0
     tasks = []
     for task in job["tasks"]:

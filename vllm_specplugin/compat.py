@@ -49,7 +49,23 @@ def check_vllm_internals() -> list[str]:
     _check_tree_verification_internals(need)
     _check_empty_top_k_internals(need)
     _check_shutdown_internals(need)
+    _check_generator_repair_internals(need)
     return problems
+
+
+def _check_generator_repair_internals(need) -> None:
+    """vllm_specplugin.generator_repair: the discarded-sample rewind it replaces, and what it reads."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    bookkeeping = inspect.getsource(inspect.unwrap(GPUModelRunner._bookkeeping_sync))
+    need("self.discard_request_mask.np[:num_reqs]" in bookkeeping and "gen.set_offset(gen.get_offset() - 4)" in bookkeeping
+         and "self.input_batch.generators.get(int(i))" in bookkeeping,
+         "GPUModelRunner._bookkeeping_sync rewinds the discarded rows' generators by offset")
+    need("self.discard_request_mask.np[:num_reqs] = (" in inspect.getsource(GPUModelRunner._prepare_inputs),
+         "GPUModelRunner._prepare_inputs sets discard_request_mask before sampling")
+    need("self.generators: dict[int, torch.Generator] = {}" in inspect.getsource(InputBatch.__init__),
+         "InputBatch.generators: batch row -> torch.Generator")
 
 
 def _check_shutdown_internals(need) -> None:

