@@ -187,8 +187,10 @@ def test_shutdown_repair_wraps_async_llm_once(monkeypatch):
 
     from vllm_specplugin import shutdown_repair
 
-    monkeypatch.setattr(AsyncLLM, "shutdown", AsyncLLM.shutdown)  # restored afterwards
-    original = AsyncLLM.shutdown
+    # The plugin's registration (patches.install) may have wrapped it already in this process:
+    # start from vLLM's own method (restored afterwards).
+    original = getattr(AsyncLLM.shutdown, "__wrapped__", AsyncLLM.shutdown)
+    monkeypatch.setattr(AsyncLLM, "shutdown", original)
     assert shutdown_repair.apply() is True and shutdown_repair.apply() is False
     assert AsyncLLM.shutdown is not original and AsyncLLM.shutdown.__wrapped__ is original
     calls = []
