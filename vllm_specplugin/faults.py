@@ -38,7 +38,6 @@ in the worker; every process that loads the plugin logs a warning while the vari
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import random
 import re
@@ -77,12 +76,11 @@ def install(fault: str) -> None:
         "accept_all_drafts": ("rejection_sample", _accept_all_drafts),
         "handoff_q_temperature": ("take_last_draft_probs", _handoff_q_temperature),
     }[fault]
-    original = getattr(owner, name)
-    if getattr(original, _MARK, False):
+    from vllm_specplugin.patches import wrap_once
+
+    if getattr(getattr(owner, name), _MARK, False):
         return
-    wrapper = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapper, _MARK, True)
-    setattr(owner, name, wrapper)
+    wrap_once(owner, name, make_wrapper, mark=_MARK)
     log_once("warning", f"FAULT INJECTED ({ENV_VAR}={fault}): speculative sampling is deliberately NOT exact.")
 
 
@@ -226,13 +224,11 @@ def install_draft_faults(runtime_class=None, adapter_class=None) -> DraftFaults 
         from vllm_specplugin.adapters import MultiDraftProposer as adapter_class
     if getattr(runtime_class._run, _DRAFT_MARK, False):
         return faults
+    from vllm_specplugin.patches import wrap_once
+
     state = _FaultState(faults)
-    for owner, name, make in ((adapter_class, "_draft_step", state.step_wrapper),
-                              (runtime_class, "_run", state.forward_wrapper)):
-        original = getattr(owner, name)
-        wrapper = functools.wraps(original)(make(original))
-        setattr(wrapper, _DRAFT_MARK, True)
-        setattr(owner, name, wrapper)
+    wrap_once(adapter_class, "_draft_step", state.step_wrapper, mark=_DRAFT_MARK)
+    wrap_once(runtime_class, "_run", state.forward_wrapper, mark=_DRAFT_MARK)
     return faults
 
 

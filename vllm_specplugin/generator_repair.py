@@ -18,8 +18,6 @@ offsets), logged once per worker, internals listed in ``compat.py``.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
@@ -71,15 +69,6 @@ def _without_rewind(original):
     return _bookkeeping_sync
 
 
-def _wrap(owner, name: str, make_wrapper) -> None:
-    original = getattr(owner, name)
-    if getattr(original, _MARK, False):
-        return
-    wrapper = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapper, _MARK, True)
-    setattr(owner, name, wrapper)
-
-
 def apply() -> bool:
     """Install the repair where it is needed (vLLM 0.32.x on CPU, generators without offsets).
     Returns True when it is installed (idempotent)."""
@@ -91,8 +80,10 @@ def apply() -> bool:
         return False
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    _wrap(GPUModelRunner, "_sample", _restoring_sample)
-    _wrap(GPUModelRunner, "_bookkeeping_sync", _without_rewind)
+    from vllm_specplugin.patches import wrap_once
+
+    wrap_once(GPUModelRunner, "_sample", _restoring_sample, mark=_MARK)
+    wrap_once(GPUModelRunner, "_bookkeeping_sync", _without_rewind, mark=_MARK)
     log_once("info", "Repaired vLLM 0.32 on CPU: a seeded request whose prefill is chunked no longer crashes the "
                      "engine (its generator is restored instead of rewound by offset; "
                      "vllm_specplugin/generator_repair.py).")

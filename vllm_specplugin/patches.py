@@ -38,13 +38,15 @@ def install() -> None:
     shutdown_repair.apply()  # SIGTERM under load: in-flight requests end with an error, no hang
 
 
-def wrap_once(owner, name: str, make_wrapper) -> None:
-    """Replace ``owner.name`` by ``make_wrapper(original)``, unless our wrapper is already there."""
+def wrap_once(owner, name: str, make_wrapper, mark: str = _MARK) -> None:
+    """Replace ``owner.name`` by ``make_wrapper(original)``, unless a wrapper carrying ``mark`` is
+    already there. Wrappers that may stack on the same method (a repair over the runtime patches,
+    a test fault) pass marks of their own."""
     original = getattr(owner, name)
-    if getattr(original, _MARK, False):
+    if getattr(original, mark, False):
         return
     wrapper = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapper, _MARK, True)
+    setattr(wrapper, mark, True)
     setattr(owner, name, wrapper)
 
 
