@@ -1,7 +1,7 @@
 """r by γ: what a verification step costs over a plain step, with drafts free.
 
 ``python -m vllm_specplugin.throughput.step_cost --model DIR`` runs, for each γ, one engine
-(in this process, so steps can be timed and profiled) at batch 1 with
+(in this process, so steps can be timed and profiled) at batch 1 (``--batch N`` for more) with
 ``RepeatLastTokenProposer`` (a draft costs nothing) and reports the target step time against
 plain decoding's (γ = 0): r(γ) = step time with γ draft tokens / plain step time. Compiled
 (vLLM's default on CPU) and eager (``--eager``). ``--profile`` adds a cProfile table of the
@@ -88,7 +88,10 @@ def _measure(job: dict) -> dict:
 
     engine.step = timed_step
     params = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
-    prompt = TokensPrompt(prompt_token_ids=list(range(10, 10 + job["prompt_len"])))
+    batch = job.get("batch", 1)
+    # Rows of a batch get different prompts (shifted token ranges), so their drafts differ.
+    prompts = [TokensPrompt(prompt_token_ids=list(range(10 + 7 * row, 10 + 7 * row + job["prompt_len"])))
+               for row in range(batch)]
     rounds = []
     profile_text = None
     for round_index in range(job["rounds"] + 1):  # round 0 warms up
@@ -100,7 +103,7 @@ def _measure(job: dict) -> dict:
 
             profiler = cProfile.Profile()
             profiler.enable()
-            llm.generate([prompt], params, use_tqdm=False)
+            llm.generate(prompts, params, use_tqdm=False)
             profiler.disable()
             buffer = io.StringIO()
             stats = pstats.Stats(profiler, stream=buffer)
@@ -108,16 +111,17 @@ def _measure(job: dict) -> dict:
             stats.sort_stats("cumulative").print_stats(60)  # where each step's time goes, by caller
             profile_text = buffer.getvalue()
             continue
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        tokens = len(out.outputs[0].token_ids)
-        # The first step is the prefill; decode steps follow.
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens = sum(len(out.outputs[0].token_ids) for out in outs)
+        # The first step is the prefill (all rows fit one step); decode steps follow.
         decode = sorted(step_times[1:])
         if round_index > 0:
             rounds.append({
                 "steps": len(step_times) - 1,
                 "tokens": tokens,
                 "median_step_s": decode[len(decode) // 2],
-                "tokens_per_step": (tokens - 1) / max(1, len(step_times) - 1),
+                # per row: tokens after the prefill's first one, over decode steps
+                "tokens_per_step": (tokens - batch) / batch / max(1, len(step_times) - 1),
                 "mean_step_s": sum(decode) / len(decode),
             })
     return {"startup_s": startup, "rounds": rounds, "profile": profile_text}
@@ -125,10 +129,11 @@ def _measure(job: dict) -> dict:
 
 def run_config(model: str, gamma: int, eager: bool, tokens: int, rounds: int, prompt_len: int,
                profile: bool = False, additional_config: dict | None = None, timeout: float = 1200,
-               proposer: str = "free", draft: str | None = None, threads: int | None = None) -> dict:
+               proposer: str = "free", draft: str | None = None, threads: int | None = None,
+               batch: int = 1) -> dict:
     job = dict(model=model, gamma=gamma, eager=eager, tokens=tokens, rounds=rounds, prompt_len=prompt_len,
                profile=profile, additional_config=additional_config, proposer=proposer, draft=draft,
-               threads=threads or served_threads())
+               threads=threads or served_threads(), batch=batch)
     env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(job["threads"])}
     proc = subprocess.run([sys.executable, "-m", "vllm_specplugin.throughput.step_cost", "--child", json.dumps(job)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -148,6 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=96, help="tokens per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="requests decoded together (distinct prompts); tokens per step is per request")
     ap.add_argument("--profile", action="store_true", help="print a cProfile table of each config's last round")
     ap.add_argument("--proposer", choices=PROPOSERS, default="free",
                     help="free: drafts cost nothing (r alone); plugin: the plugin's proposer with --draft; "
@@ -171,7 +178,8 @@ def main(argv=None) -> int:
     results = {}
     for gamma in tqdm(args.gammas, desc="r by gamma", unit="engine"):
         res = run_config(model, gamma, args.eager, args.tokens, args.rounds, args.prompt_len, args.profile,
-                         args.additional_config, proposer=args.proposer, draft=draft, threads=args.threads)
+                         args.additional_config, proposer=args.proposer, draft=draft, threads=args.threads,
+                         batch=args.batch)
         best_round = min(res["rounds"], key=lambda r: r["median_step_s"])
         results[gamma] = {"best_median_step_ms": best_round["median_step_s"] * 1e3,
                           "tokens_per_step": best_round.get("tokens_per_step"),
@@ -183,7 +191,7 @@ def main(argv=None) -> int:
     drafts = {"free": f"drafts free ({REPEAT})", "plugin": f"the plugin's proposer, draft {draft}",
               "draft_model": f"vLLM draft_model, draft {draft}"}[args.proposer]
     threads = args.threads or served_threads()
-    print(f"\nmodel {model}, {mode}, batch 1, T=0, {threads} thread(s), {drafts}; best of {args.rounds} rounds "
+    print(f"\nmodel {model}, {mode}, batch {args.batch}, T=0, {threads} thread(s), {drafts}; best of {args.rounds} rounds "
           f"of the median decode step")
     print(f"{'gamma':>5} {'step ms':>8} {'step/plain':>10} {'tokens/step':>11}")
     for gamma, res in results.items():
@@ -192,10 +200,11 @@ def main(argv=None) -> int:
         print(f"{gamma:>5} {res['best_median_step_ms']:8.2f} {r:10.2f} {res['tokens_per_step'] or 0:11.2f}")
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.proposer == "free" else f"-{args.proposer}"
+    suffix += "" if args.batch == 1 else f"-b{args.batch}"
     path = os.path.join(args.out, f"step_cost-{mode}-{os.path.basename(os.path.normpath(model))}{suffix}.json")
     with open(path, "w") as f:
         json.dump({"model": model, "mode": mode, "proposer": args.proposer, "draft": draft, "threads": threads,
-                   "results": results}, f, indent=2)
+                   "batch": args.batch, "results": results}, f, indent=2)
     print(f"saved {path}")
     return 0
 

@@ -50,7 +50,26 @@ def check_vllm_internals() -> list[str]:
     _check_empty_top_k_internals(need)
     _check_shutdown_internals(need)
     _check_generator_repair_internals(need)
+    _check_draft_free_internals(need)
     return problems
+
+
+def _check_draft_free_internals(need) -> None:
+    """vllm_specplugin.draft_free_steps: _prepare_inputs' result it rewrites, and the paths that read it."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    prepare = inspect.getsource(inspect.unwrap(GPUModelRunner._prepare_inputs))
+    need("tuple[logits_indices, spec_decode_metadata, max_num_sampled_tokens]" in prepare,
+         "GPUModelRunner._prepare_inputs returns (logits_indices, spec_decode_metadata, max_num_sampled_tokens)")
+    need("logits_indices = query_start_loc[1:] - 1" in prepare,
+         "_prepare_inputs: a plain engine samples at each request's last scheduled token")
+    need("if spec_decode_metadata is None:\n            return self.sampler(" in inspect.getsource(
+        inspect.unwrap(GPUModelRunner._sample)), "GPUModelRunner._sample takes the plain sampler without metadata")
+    propose = inspect.getsource(inspect.unwrap(GPUModelRunner.propose_draft_token_ids))
+    custom = propose[propose.find('spec_config.method == "custom_class"'):]
+    custom = custom[:custom.find("elif ")]
+    need("self.drafter).propose(" in custom and "spec_decode_metadata" not in custom,
+         "the custom_class branch of propose_draft_token_ids does not read spec_decode_metadata")
 
 
 def _check_generator_repair_internals(need) -> None:

@@ -31,10 +31,11 @@ def install() -> None:
         )
         return
     _wrap_worker_init()
-    from vllm_specplugin import runner_shim, shutdown_repair, tree_verification
+    from vllm_specplugin import draft_free_steps, runner_shim, shutdown_repair, tree_verification
 
     runner_shim.install()
     tree_verification.install()
+    draft_free_steps.install()  # after the tree wrapper: it sees the step's final metadata
     shutdown_repair.apply()  # SIGTERM under load: in-flight requests end with an error, no hang
 
 

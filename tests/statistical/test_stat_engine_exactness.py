@@ -89,6 +89,7 @@ pytestmark = [pytest.mark.statistical, pytest.mark.engine]
 HONEST_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
 ENSEMBLE_TEMPERATURES = (0.0, 0.7, 1.0)
 STRATEGY_TEMPERATURES = (0.7, 1.0)
+DRAFT_FREE_TEMPERATURES = (0.0, 1.0)  # steps without drafts take vLLM's plain sampler (draft_free_steps.py)
 TREE_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
 # A draft whose vocabulary is a strict prefix of the target's: (T, top-k, top-p)
 VOCAB_PREFIX_SAMPLINGS = ((1.0, 0, 1.0), (0.7, 50, 0.9))
@@ -102,6 +103,7 @@ SUITE = {
     "honest_ensemble_shim_on": len(ENSEMBLE_TEMPERATURES),
     "honest_ensemble_shim_off": len(ENSEMBLE_TEMPERATURES),
     "honest_strategies": len(STRATEGY_TEMPERATURES),
+    "honest_draft_free_steps": len(DRAFT_FREE_TEMPERATURES),
     "honest_vocab_prefix": len(VOCAB_PREFIX_SAMPLINGS),
     "fault_a_expand_bug": 1,
     "fault_b_wrong_draft_probs": 1,
@@ -115,7 +117,7 @@ SUITE = {
     "fault_i_tree_iid_on_topk": 1,
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 35
+SUITE_HYPOTHESES = sum(SUITE.values())  # 37
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -273,6 +275,19 @@ def test_plugin_strategies_are_exact(peaked_target, peaked_draft, reference):
         additional_config={"specplugin": {"drafts": [peaked_draft], **STRATEGIES}},
     )
     assert all(c.acceptance_rate and c.acceptance_rate > 0.05 for c in report.cases)
+
+
+def test_draft_free_steps_are_exact(peaked_target, peaked_draft, reference):
+    """Steps in which no request has a draft go through vLLM's plain sampler instead of the
+    rejection sampler (vllm_specplugin/draft_free_steps.py), mixed with drafted steps in one run:
+    adaptive gamma drafts nothing above 64 running requests (the first steps: thousands of
+    requests arrive at once, 256 run) and drafts again as the batch drains."""
+    report = run_honest(
+        "honest_draft_free_steps", peaked_target, [sampling(t) for t in DRAFT_FREE_TEMPERATURES], reference,
+        speculative_config=ENSEMBLE_PROPOSER,
+        additional_config={"specplugin": {"drafts": [peaked_draft], "adaptive_gamma": {"max_batch": 64}}},
+    )
+    assert all(c.acceptance_rate and c.acceptance_rate > 0.05 for c in report.cases)  # drafted steps ran too
 
 
 @pytest.fixture(scope="module")
