@@ -80,10 +80,14 @@ def _measure(job: dict) -> dict:
     step_times: list[float] = []
     original_step = engine.step
 
+    # Thread CPU time: the engine runs in this thread (one OpenMP thread), so it does not grow
+    # when other processes take the core; wall time does (this machine is shared).
+    clock = time.thread_time if job.get("cpu_time") else time.perf_counter
+
     def timed_step(*args, **kwargs):
-        start = time.perf_counter()
+        start = clock()
         out = original_step(*args, **kwargs)
-        step_times.append(time.perf_counter() - start)
+        step_times.append(clock() - start)
         return out
 
     engine.step = timed_step
@@ -92,6 +96,12 @@ def _measure(job: dict) -> dict:
     # Rows of a batch get different prompts (shifted token ranges), so their drafts differ.
     prompts = [TokensPrompt(prompt_token_ids=list(range(10 + 7 * row, 10 + 7 * row + job["prompt_len"])))
                for row in range(batch)]
+    if job.get("heldout"):
+        # The benchmarks' held-out prompts (real text, 53-116 tokens with the demo tokenizer).
+        from vllm_specplugin.throughput.workloads import heldout_prompts
+
+        tokenizer = llm.get_tokenizer()
+        prompts = [TokensPrompt(prompt_token_ids=tokenizer(text).input_ids) for text in heldout_prompts(batch)]
     rounds = []
     profile_text = None
     for round_index in range(job["rounds"] + 1):  # round 0 warms up
@@ -120,6 +130,8 @@ def _measure(job: dict) -> dict:
                 "steps": len(step_times) - 1,
                 "tokens": tokens,
                 "median_step_s": decode[len(decode) // 2],
+                "prefill_s": step_times[0],  # the target's prefill (and the drafts' first propose)
+                "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
                 # per row: tokens after the prefill's first one, over decode steps
                 "tokens_per_step": (tokens - batch) / batch / max(1, len(step_times) - 1),
                 "mean_step_s": sum(decode) / len(decode),
@@ -130,10 +142,11 @@ def _measure(job: dict) -> dict:
 def run_config(model: str, gamma: int, eager: bool, tokens: int, rounds: int, prompt_len: int,
                profile: bool = False, additional_config: dict | None = None, timeout: float = 1200,
                proposer: str = "free", draft: str | None = None, threads: int | None = None,
-               batch: int = 1) -> dict:
+               batch: int = 1, cpu_time: bool = False, heldout: bool = False) -> dict:
     job = dict(model=model, gamma=gamma, eager=eager, tokens=tokens, rounds=rounds, prompt_len=prompt_len,
                profile=profile, additional_config=additional_config, proposer=proposer, draft=draft,
-               threads=threads or served_threads(), batch=batch)
+               threads=threads or served_threads(), batch=batch,
+               cpu_time=cpu_time, heldout=heldout)
     env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(job["threads"])}
     proc = subprocess.run([sys.executable, "-m", "vllm_specplugin.throughput.step_cost", "--child", json.dumps(job)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -153,6 +166,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=96, help="tokens per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time steps in thread CPU time (robust on a loaded machine) instead of wall time")
+    ap.add_argument("--heldout", action="store_true",
+                    help="the benchmarks' held-out text prompts (one per batch row) instead of --prompt-len tokens")
     ap.add_argument("--batch", type=int, default=1,
                     help="requests decoded together (distinct prompts); tokens per step is per request")
     ap.add_argument("--profile", action="store_true", help="print a cProfile table of each config's last round")
@@ -179,9 +196,10 @@ def main(argv=None) -> int:
     for gamma in tqdm(args.gammas, desc="r by gamma", unit="engine"):
         res = run_config(model, gamma, args.eager, args.tokens, args.rounds, args.prompt_len, args.profile,
                          args.additional_config, proposer=args.proposer, draft=draft, threads=args.threads,
-                         batch=args.batch)
+                         batch=args.batch, cpu_time=args.cpu_time, heldout=args.heldout)
         best_round = min(res["rounds"], key=lambda r: r["median_step_s"])
         results[gamma] = {"best_median_step_ms": best_round["median_step_s"] * 1e3,
+                          "prefill_ms": best_round["prefill_s"] * 1e3, "prompt_tokens": best_round["prompt_tokens"],
                           "tokens_per_step": best_round.get("tokens_per_step"),
                           "startup_s": res["startup_s"], "rounds": res["rounds"]}
         if res.get("profile"):
@@ -193,18 +211,32 @@ def main(argv=None) -> int:
     threads = args.threads or served_threads()
     print(f"\nmodel {model}, {mode}, batch {args.batch}, T=0, {threads} thread(s), {drafts}; best of {args.rounds} rounds "
           f"of the median decode step")
-    print(f"{'gamma':>5} {'step ms':>8} {'step/plain':>10} {'tokens/step':>11}")
+    print(f"{'gamma':>5} {'step ms':>8} {'step/plain':>10} {'tokens/step':>11} {'prefill ms':>10}")
     for gamma, res in results.items():
         r = res["best_median_step_ms"] / plain if plain else float("nan")
         res["r" if args.proposer == "free" else "step_over_plain"] = r
-        print(f"{gamma:>5} {res['best_median_step_ms']:8.2f} {r:10.2f} {res['tokens_per_step'] or 0:11.2f}")
+        print(f"{gamma:>5} {res['best_median_step_ms']:8.2f} {r:10.2f} {res['tokens_per_step'] or 0:11.2f} "
+              f"{res['prefill_ms']:10.2f}")
+    if plain and args.proposer != "free":
+        # What a request of n new tokens takes: the prefill (first token), then decode steps.
+        base = results[0]
+        print("\nspeedup over plain of a whole request (prefill + decode) by new tokens n:")
+        for n in (64, 256, 1024):
+            plain_ms = base["prefill_ms"] + (n - 1) * base["best_median_step_ms"]
+            cells = []
+            for gamma, res in results.items():
+                if gamma:
+                    spec_ms = res["prefill_ms"] + (n - 1) / (res["tokens_per_step"] or 1) * res["best_median_step_ms"]
+                    cells.append(f"gamma {gamma}: {plain_ms / spec_ms:.2f}x")
+            print(f"  n = {n:>4}: " + ", ".join(cells))
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if args.proposer == "free" else f"-{args.proposer}"
-    suffix += "" if args.batch == 1 else f"-b{args.batch}"
+    suffix += ("" if args.batch == 1 else f"-b{args.batch}") + ("-cpu" if args.cpu_time else "")
     path = os.path.join(args.out, f"step_cost-{mode}-{os.path.basename(os.path.normpath(model))}{suffix}.json")
     with open(path, "w") as f:
         json.dump({"model": model, "mode": mode, "proposer": args.proposer, "draft": draft, "threads": threads,
-                   "batch": args.batch, "results": results}, f, indent=2)
+                   "batch": args.batch, "cpu_time": args.cpu_time,
+                   "heldout": args.heldout, "results": results}, f, indent=2)
     print(f"saved {path}")
     return 0
 
