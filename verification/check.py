@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
 from vllm_specplugin import stats
-from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig, run_http, run_offline
+from vllm_specplugin.verification.drivers import EngineRun, GenerationTask, SamplingConfig, run_http, run_offline
 from vllm_specplugin.verification.algorithm import SAMPLING_EPS, speculative_token_law
 from vllm_specplugin.verification.reference import (GREEDY_TIE_TOLERANCE, BatchLaw, Prefix,
                                                     ProcessedConditionals, TargetReference,
@@ -371,7 +371,7 @@ def plan_power(reference: TargetReference, prompts: Sequence[Sequence[int]], sam
 
 
 def speculative_law(draft_for_prompt, *, mode: str = "probabilistic", fault: str | None = None,
-                    fault_arg=None):
+                    fault_arg=None, token_law=None):
     """``law_for_prompt`` for :func:`plan_power`: what a speculative sampler emits.
 
     The first token comes from the target (vLLM samples it at prefill, before any draft); every
@@ -380,7 +380,9 @@ def speculative_law(draft_for_prompt, *, mode: str = "probabilistic", fault: str
     rules, as long as a step drafts at least ``m - 1`` tokens). ``draft_for_prompt(prompt) ->
     BatchLaw`` is the draft's sampling distribution q; ``fault_arg`` is passed on, or called as
     ``fault_arg(prompt, prefixes, p, q)`` for a per-context argument (the verification q of
-    ``"wrong_q"``, the verification target of ``"ignore_temperature"``).
+    ``"wrong_q"``, the verification target of ``"ignore_temperature"``). ``token_law(p, q) -> law``
+    (rows ``[n, V]``, float64) replaces ``speculative_token_law`` for a rule it does not model
+    (e.g. vLLM's ``synthetic`` acceptance).
     """
 
     def law_for_prompt(prompt, target: BatchLaw) -> BatchLaw:
@@ -396,8 +398,11 @@ def speculative_law(draft_for_prompt, *, mode: str = "probabilistic", fault: str
                 if later:
                     sub = [missing[i] for i in later]
                     q = draft(sub)
-                    arg = fault_arg(prompt, sub, p[later], q) if callable(fault_arg) else fault_arg
-                    out[later] = speculative_token_law(p[later], q, mode=mode, fault=fault, fault_arg=arg)
+                    if token_law is not None:
+                        out[later] = token_law(p[later], q)
+                    else:
+                        arg = fault_arg(prompt, sub, p[later], q) if callable(fault_arg) else fault_arg
+                        out[later] = speculative_token_law(p[later], q, mode=mode, fault=fault, fault_arg=arg)
                 cache.update(zip(missing, out))
             return np.stack([cache[s] for s in prefixes])
 
@@ -429,6 +434,11 @@ def decide(cases: Sequence[CaseReport], alpha: float, family_size: int | None = 
     )
 
 
+# A driver samples every task (one engine or model load for all of them): tasks -> EngineRun.
+Driver = Callable[[list[GenerationTask]], EngineRun]
+ENGINE_DRIVERS = {"offline": run_offline, "http": run_http}
+
+
 def run_check(
     model: str,
     samplings: Sequence[SamplingConfig],
@@ -444,15 +454,20 @@ def run_check(
     method: str = "pearson",
     reference: TargetReference | None = None,
     max_model_len: int = 512,
-    driver: str = "offline",
+    driver: str | Driver = "offline",
+    driver_name: str | None = None,
     progress: bool = True,
 ) -> CheckReport:
-    """Sample every config from one engine, then test each against the exact reference.
+    """Sample every config with one driver, then test each against the exact reference.
 
     ``greedy_prompts``: the prompts of the T = 0 cases (default ``prompts``). vLLM samples one
     continuation per prompt at T = 0, so those cases need many prompts rather than many samples.
     ``driver``: "offline" (``LLM.generate`` in a fresh process) or "http" (the real
-    OpenAI-compatible server on 127.0.0.1).
+    OpenAI-compatible server on 127.0.0.1), both with ``speculative_config``,
+    ``additional_config``, ``max_model_len`` and ``injected_fault``
+    (``SPECPLUGIN_INJECT_FAULT``); or any callable ``driver(tasks) -> EngineRun`` (e.g. the
+    transformers driver, ``verification.hf_driver.run_hf_check``), which then owns those settings
+    (they are only recorded in the report), reported as ``driver_name``.
 
     Decisions. ``alpha`` is family-wise. Without ``family_size`` the family is this report's
     cases: Holm over them, and each case's power is computed at ``alpha / len(cases)`` (the level
@@ -463,26 +478,25 @@ def run_check(
     threshold is ``alpha / (family_size - k)``), so the suite runs it at the end.
     A case whose check visited no token is rejected.
     """
-    drivers = {"offline": run_offline, "http": run_http}
-    if driver not in drivers:
-        raise ValueError(f"driver must be one of {sorted(drivers)}, got {driver!r}")
+    if isinstance(driver, str):
+        if driver not in ENGINE_DRIVERS:
+            raise ValueError(f"driver must be one of {sorted(ENGINE_DRIVERS)} or a callable, got {driver!r}")
+        driver_name, engine = driver, ENGINE_DRIVERS[driver]
+        extra_env = {"SPECPLUGIN_INJECT_FAULT": injected_fault} if injected_fault else None
+
+        def driver(tasks: list[GenerationTask]) -> EngineRun:
+            return engine(model, tasks, speculative_config=speculative_config, additional_config=additional_config,
+                          max_model_len=max_model_len, extra_env=extra_env)
+    driver_name = driver_name or getattr(driver, "__name__", "custom")
     if family_size is not None and family_size < len(samplings):
         raise ValueError(f"family_size {family_size} is smaller than the {len(samplings)} cases of this report")
     case_alpha = alpha / (family_size or len(samplings))
     greedy_prompts = prompts if greedy_prompts is None else greedy_prompts
     prompts_of = [greedy_prompts if s.temperature < SAMPLING_EPS else prompts for s in samplings]
     t0 = time.perf_counter()
-    extra_env = {"SPECPLUGIN_INJECT_FAULT": injected_fault} if injected_fault else None
     with tqdm(total=len(samplings) + 1, desc="exactness check", unit="step", disable=not progress) as bar:
-        bar.set_postfix_str(f"sampling from vLLM ({driver})")
-        run = drivers[driver](
-            model,
-            [GenerationTask([list(p) for p in ps], s) for ps, s in zip(prompts_of, samplings)],
-            speculative_config=speculative_config,
-            additional_config=additional_config,
-            max_model_len=max_model_len,
-            extra_env=extra_env,
-        )
+        bar.set_postfix_str(f"sampling ({driver_name})")
+        run = driver([GenerationTask([list(p) for p in ps], s) for ps, s in zip(prompts_of, samplings)])
         bar.update(1)
         reference = reference or TargetReference(model)
         cases = []
@@ -496,6 +510,6 @@ def run_check(
     cases = decide(cases, alpha, family_size)
     return CheckReport(
         model=model, speculative_config=speculative_config, additional_config=additional_config,
-        injected_fault=injected_fault, driver=driver, alpha=alpha, delta=delta, method=method, cases=cases,
+        injected_fault=injected_fault, driver=driver_name, alpha=alpha, delta=delta, method=method, cases=cases,
         startup_s=run.startup_s, wall_s=time.perf_counter() - t0, family_size=family_size or 0,
     )

@@ -12,12 +12,14 @@ one ``generate`` call per sample, EOS off as the vLLM drivers' ``ignore_eos``):
 :func:`run_hf_check` tests the samples against the exact reference
 (``verification.reference.TargetReference``: the target in float32, processed in float64 with
 temperature, then top-k, then top-p, which is transformers' warper order too) with the same
-chain-rule test as the vLLM drivers (``verification.check.analyse`` / ``decide``).
+chain-rule test and decisions as the vLLM drivers (``verification.check.run_check`` with this driver).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import time
 from collections.abc import Sequence
 
@@ -151,51 +153,23 @@ def count_assisted_steps(counts: dict):
         utils._speculative_sampling = original
 
 
-def run_hf_check(
-    target: str,
-    samplings: Sequence[SamplingConfig],
-    prompts: Sequence[Sequence[int]],
-    *,
-    mode: str = "plugin",
-    drafts: Sequence[str] = (),
-    proposer_options: dict | None = None,
-    num_speculative_tokens: int = 3,
-    fault: str | None = None,
-    assistant_options: dict | None = None,
-    greedy_prompts: Sequence[Sequence[int]] | None = None,
-    alpha: float = 0.01,
-    family_size: int | None = None,
-    delta: float = 0.1,
-    method: str = "pearson",
-    reference=None,
-):
+def run_hf_check(target: str, samplings: Sequence[SamplingConfig], prompts: Sequence[Sequence[int]], **options):
     """:func:`verification.check.run_check` with the transformers driver: sample every config with
-    ``mode``, then test each against the exact reference (same decisions: Holm over the cases, or
-    each case at ``alpha / family_size``). Returns a ``CheckReport`` (``driver="hf-<mode>"``)."""
-    from vllm_specplugin.verification.algorithm import SAMPLING_EPS
-    from vllm_specplugin.verification.check import CheckReport, _acceptance, analyse, decide
-    from vllm_specplugin.verification.reference import TargetReference
+    :func:`run_hf`, then test each against the exact reference (same decisions: Holm over the
+    cases, or each case at ``alpha / family_size``). ``options``: :func:`run_hf`'s keyword
+    arguments (``mode``, ``drafts``, ``fault``, ...) go to the driver, the others (``alpha``,
+    ``family_size``, ``greedy_prompts``, ``reference``, ...) to ``run_check``. Returns a
+    ``CheckReport`` (``driver="hf-<mode>"``, the driver's settings as its ``speculative_config``)."""
+    from vllm_specplugin.verification.check import run_check
 
-    if family_size is not None and family_size < len(samplings):
-        raise ValueError(f"family_size {family_size} is smaller than the {len(samplings)} cases of this report")
-    case_alpha = alpha / (family_size or len(samplings))
-    greedy_prompts = prompts if greedy_prompts is None else greedy_prompts
-    prompts_of = [greedy_prompts if s.temperature < SAMPLING_EPS else prompts for s in samplings]
-    t0 = time.perf_counter()
-    run = run_hf(target, [GenerationTask([list(p) for p in ps], s) for ps, s in zip(prompts_of, samplings)],
-                 mode=mode, drafts=drafts, proposer_options=proposer_options,
-                 num_speculative_tokens=num_speculative_tokens, fault=fault, assistant_options=assistant_options)
-    reference = reference or TargetReference(target)
-    cases = [
-        analyse(reference, ps, task.outputs, sampling, alpha=case_alpha, delta=delta, method=method,
-                acceptance_rate=_acceptance(task.spec_decode_metrics), generate_s=task.generate_s)
-        for sampling, ps, task in zip(samplings, prompts_of, run.tasks)
-    ]
-    cases = decide(cases, alpha, family_size)
-    config = {"hf_mode": mode, "drafts": list(drafts), "num_speculative_tokens": num_speculative_tokens,
-              "proposer_options": proposer_options, "assistant_options": assistant_options}
-    return CheckReport(
-        model=target, speculative_config=config, additional_config=None, injected_fault=fault,
-        driver=f"hf-{mode}", alpha=alpha, delta=delta, method=method, cases=tuple(cases),
-        startup_s=run.startup_s, wall_s=time.perf_counter() - t0, family_size=family_size or 0,
-    )
+    signature = inspect.signature(run_hf)
+    hf_options = {key: value for key, value in options.items() if key in signature.parameters}
+    bound = signature.bind(target, [], **hf_options)
+    bound.apply_defaults()
+    o = bound.arguments
+    config = {"hf_mode": o["mode"], "drafts": list(o["drafts"]), "num_speculative_tokens": o["num_speculative_tokens"],
+              "proposer_options": o["proposer_options"], "assistant_options": o["assistant_options"]}
+    check_options = {key: value for key, value in options.items() if key not in signature.parameters}
+    return run_check(target, samplings, prompts, driver=functools.partial(run_hf, target, **hf_options),
+                     driver_name=f"hf-{o['mode']}", speculative_config=config, injected_fault=o["fault"],
+                     **check_options)

@@ -51,6 +51,7 @@ def check_vllm_internals() -> list[str]:
     _check_shutdown_internals(need)
     _check_generator_repair_internals(need)
     _check_draft_free_internals(need)
+    _check_rejection_methods_internals(need)
     return problems
 
 
@@ -306,3 +307,27 @@ def _check_runner_shim_internals(need) -> None:
          "InputBatch stores temperature 0.0 for greedy requests")
     need("max_num_seqs" in getattr(SchedulerConfig, "model_fields", {}) or hasattr(SchedulerConfig, "max_num_seqs"),
          "SchedulerConfig.max_num_seqs (sizes the q buffer)")
+
+
+def _check_rejection_methods_internals(need) -> None:
+    """vllm_specplugin.rejection_methods: block verification exists only in Model Runner V2, V2 does
+    not run custom_class proposers, and V1's rejection sampler has no block path (why the plugin
+    refuses "block"); V1 keeps draft probabilities only for "standard"."""
+    from vllm.config import VllmConfig
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.v1.sample import rejection_sampler as v1_sampler
+    from vllm.v1.spec_decode import llm_base_proposer
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2_sampler
+
+    methods = getattr(SpeculativeConfig.__dataclass_fields__.get("rejection_sample_method"), "type", "")
+    need(all(m in str(methods) for m in ("standard", "block", "synthetic")),
+         f"SpeculativeConfig.rejection_sample_method: standard | block | synthetic, got {methods}")
+    need(isinstance(getattr(VllmConfig, "use_v2_model_runner", None), property), "VllmConfig.use_v2_model_runner")
+    unsupported = inspect.getsource(VllmConfig._get_v2_model_runner_unsupported_features)
+    need('"custom_class"' in unsupported, "Model Runner V2 does not run custom_class proposers (V1 is used)")
+    need('"block"' not in inspect.getsource(v1_sampler),
+         "the V1 rejection sampler has no block verification (a block path there would make the refusal stale)")
+    need('rejection_sample_method == "block"' in inspect.getsource(v2_sampler),
+         "Model Runner V2's RejectionSampler implements rejection_sample_method == 'block'")
+    need('rejection_sample_method == "standard"' in inspect.getsource(llm_base_proposer),
+         "V1 draft_model/EAGLE keep draft probabilities only for rejection_sample_method == 'standard'")

@@ -82,6 +82,9 @@ def _check_against_engine(config: SpecPluginConfig, vllm_config) -> None:
             "adaptive_gamma.gamma_min",
             f"is {policy.gamma_min}, above num_speculative_tokens = {spec.num_speculative_tokens} (the largest gamma)",
         )
+    from vllm_specplugin import rejection_methods
+
+    rejection_methods.check_engine(vllm_config)  # "block" refused for the plugin's proposers, warnings
 
 
 def _wrap_worker_init() -> None:

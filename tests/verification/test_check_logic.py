@@ -5,7 +5,9 @@
 * a case that checked no token fails;
 * the reported power is the power of the combined decision (not of a first-token test alone);
 * calibration: the harness's p-values on exact samples of the real peaked model are uniform;
-* the power computed from a sampler's exact law (``plan_power``) predicts its rejection rate.
+* the power computed from a sampler's exact law (``plan_power``) predicts its rejection rate;
+* ``run_check`` with a callable driver (as the transformers driver uses it): exact samples pass,
+  wrong-temperature ones fail, the driver's name and settings are reported.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from scipy import stats as sst
 
 from vllm_specplugin import stats
 from vllm_specplugin.verification.check import (CaseReport, CheckReport, analyse, decide, plan_power,
-                                                random_prompts, speculative_law)
-from vllm_specplugin.verification.drivers import REPO_ROOT, SamplingConfig
+                                                random_prompts, run_check, speculative_law)
+from vllm_specplugin.verification.drivers import REPO_ROOT, EngineRun, SamplingConfig, TaskResult
 from vllm_specplugin.verification.plots import plot_report
 from vllm_specplugin.verification.reference import TargetReference, sample_tree, target_law
 
@@ -203,3 +205,28 @@ def test_plot_report(tmp_path):
     assert report.verdict == "PASS" and '"verdict": "PASS"' in report.to_json()
     table = report.format_table()
     assert "95%" not in table and "CI" not in table  # no interval is claimed
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("sampled_temperature,should_pass", [(1.0, True), (0.8, False)])
+def test_run_check_with_a_callable_driver(reference, peaked_target, sampled_temperature, should_pass):
+    """A driver drawing exact samples from the reference (at ``sampled_temperature``) goes through
+    run_check's whole path: preparation, analyse, Holm decision, report."""
+    seen = []
+
+    def exact_driver(tasks):
+        seen.extend(tasks)
+        return EngineRun(startup_s=0.0, tasks=[TaskResult(
+            outputs=[exact_samples(reference, p, sampled_temperature, t.sampling.top_k, t.sampling.top_p,
+                                   n=t.sampling.n, m=t.sampling.max_tokens, seed=i).tolist()
+                     for i, p in enumerate(t.prompts)],
+            generate_s=0.0, spec_decode_metrics={}) for t in tasks])
+
+    prompts = random_prompts(512, 2, seed=3)
+    config = SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, max_tokens=M, n=N, seed=0)
+    report = run_check(peaked_target, [config], prompts, driver=exact_driver, driver_name="exact",
+                       speculative_config={"recorded": True}, reference=reference, progress=False)
+    assert [t.prompts for t in seen] == [prompts] and report.driver == "exact"
+    assert report.speculative_config == {"recorded": True}
+    assert report.passed is should_pass, report.format_table()
+    assert report.cases[0].tokens_checked == 2 * N * M
