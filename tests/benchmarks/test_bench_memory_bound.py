@@ -45,6 +45,9 @@ CONFIGS = [
     plugin_config(f"plugin {DRAFT} bfloat16", [DRAFT], GAMMA, draft_dtype="bfloat16"),
     plugin_config(f"plugin {DRAFT} adaptive gamma (cost model)", [DRAFT], 6,
                   adaptive_gamma={"mode": "cost_model", "gamma_min": 0, "max_batch": MAX_BATCH}),
+    # The plugin's best configuration: the bfloat16 draft with adaptive γ.
+    plugin_config(f"plugin {DRAFT} bfloat16 adaptive gamma (cost model)", [DRAFT], 6, draft_dtype="bfloat16",
+                  adaptive_gamma={"mode": "cost_model", "gamma_min": 0, "max_batch": MAX_BATCH}),
     plugin_config(f"plugin ensemble({DRAFT}+draft-distill) adaptive weights", [DRAFT, "draft-distill"], GAMMA,
                   adapt_draft_weights=True),
 ]
