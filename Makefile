@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup test test-fast demo demo-repair models bench bench-compare bench-history soak clean
+.PHONY: setup test test-fast demo demo-repair models heads bench bench-compare bench-history soak clean
 
 setup:
 	@bash ci/setup_venv.sh
@@ -40,6 +40,12 @@ soak: setup
 
 models: setup
 	@$(PY) -m models.build
+
+# Medusa-1 heads for both demo targets (issue 16; models/heads.py), each model card extended. Resumable
+# (state in runs/heads-work); one torch thread each.
+heads: setup
+	@$(PY) -m vllm_specplugin.models.heads --target models/demo/target --out models/demo/medusa --tokens 500000 --card models/demo
+	@$(PY) -m vllm_specplugin.models.heads --target models/demo-mb/target --out models/demo-mb/medusa --tokens 300000 --lr 2e-3 --save-every 10 --card models/demo-mb
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis runs

@@ -288,6 +288,8 @@ def write_card(out: Path, card: dict) -> None:
           + ", ".join(f"{k} {v}" for k, v in card["stage_wall_s"].items())
           + f"; torch {card['torch']}, transformers {card['transformers']}, {card['threads']} thread(s) per process.", ""]
     (out / "MODEL_CARD.md").write_text("\n".join(L))
+    from .heads import restore_sections
+    restore_sections(out)  # the Medusa heads sections (models/heads.py) of heads built for this family
 
 
 # ---------------------------------------------------------------- main

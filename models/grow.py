@@ -219,6 +219,8 @@ def write_card(out: Path, held: torch.Tensor, windows: int = 300, alpha_windows:
               "training moved it only a little (ppl above). That is the point of growing, and it is "
               "also why its alpha is not evidence about independently trained pairs.", ""]
     (out.parent / "MODEL_CARD.md").write_text("\n".join(lines))
+    from .heads import restore_sections
+    restore_sections(out.parent)  # the Medusa heads sections (models/heads.py)
     return card
 
 

@@ -94,6 +94,7 @@ TREE_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
 # A draft whose vocabulary is a strict prefix of the target's: (T, top-k, top-p)
 VOCAB_PREFIX_SAMPLINGS = ((1.0, 0, 1.0), (0.7, 50, 0.9))
 DRAFT_VOCAB = 500
+MEDUSA_TEMPERATURES = (0.0, 0.7, 1.0)  # vLLM's method "medusa" (greedy drafts, one-hot verification)
 # vLLM's draft_model with rejection_sample_method "block" (vllm_specplugin/rejection_methods.py)
 BLOCK_TEMPERATURES = (0.0, 0.7, 1.0)
 # The hypotheses of the suite: test -> its cases. SUITE_HYPOTHESES is derived from it, and the
@@ -118,9 +119,11 @@ SUITE = {
     "fault_h_tree_residual_not_updated": 1,
     "fault_i_tree_iid_on_topk": 1,
     "honest_block_draft_model": len(BLOCK_TEMPERATURES),
+    "honest_medusa": len(MEDUSA_TEMPERATURES),
+    "fault_j_medusa_expand_bug": 1,
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 40
+SUITE_HYPOTHESES = sum(SUITE.values())  # 44
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -567,6 +570,45 @@ def test_catches_tree_walk_fault(peaked_target, peaked_draft, unrelated_draft, r
     report = check(f"fault_{letter}_tree_{fault}", peaked_target, [config], reference, fault=True,
                    speculative_config=TREE_PROPOSER, additional_config=tree_config([peaked_draft, unrelated_draft]))
     assert_caught(report)
+
+
+# --- Medusa heads through vLLM's own method "medusa" (issue 16) ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def peaked_medusa(tmp_path_factory, peaked_target) -> str:
+    """Medusa-1 heads for peaked_target made by the repository's trainer (models/heads.py; ~10 s):
+    3 heads self-distilled on the target's own T = 1 samples (it has no corpus)."""
+    from vllm_specplugin.models import heads
+
+    root = tmp_path_factory.mktemp("medusa")
+    out = root / "peaked-medusa"
+    assert heads.main(["--target", peaked_target, "--out", str(out), "--data", "self", "--num-heads", "3",
+                       "--tokens", "32768", "--batch", "8", "--seq", "64", "--lr", "3e-3", "--eval-windows", "2",
+                       "--eval-prompts", "4", "--eval-new-tokens", "16", "--work", str(root / "work")]) == 0
+    return str(out)
+
+
+def medusa_spec(heads: str) -> dict:
+    return {"method": "medusa", "model": heads, "num_speculative_tokens": 3}
+
+
+def test_medusa_heads_are_exact(peaked_target, peaked_medusa, reference):
+    """vLLM's built-in Medusa (its MedusaProposer drafts each head's argmax from the target's last
+    hidden state; the rejection sampler verifies them one-hot) with the CPU sampler repair on: T = 0
+    (every token the argmax) and T = 0.7 / 1.0 with top-k 50 / top-p 0.9."""
+    report = run_honest("honest_medusa", peaked_target, [sampling(t) for t in MEDUSA_TEMPERATURES], reference,
+                        speculative_config=medusa_spec(peaked_medusa))
+    assert all(c.acceptance_rate and c.acceptance_rate > 0.02 for c in report.cases)
+
+
+def test_catches_cpu_expand_kernel_bug_with_medusa(peaked_target, peaked_medusa, reference):
+    """(j) Medusa needs the sampler repair too: with ``cpu_sampler_repair: off`` vLLM-CPU's expand
+    bug (see (a)) corrupts the per-token temperature of Medusa's verification, and the harness
+    catches it (T = 1, no top-k: garbage top-k values crash the engine instead)."""
+    assert_caught(check("fault_j_medusa_expand_bug", peaked_target, [sampling(1.0, top_k=0, n=N_FAULT)], reference,
+                        fault=True, speculative_config=medusa_spec(peaked_medusa),
+                        additional_config={"specplugin": {"cpu_sampler_repair": "off"}}))
 
 
 # --- rejection_sample_method "block" and "synthetic" (issue 15 part C) -----------------------
