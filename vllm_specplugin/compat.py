@@ -52,6 +52,8 @@ def check_vllm_internals() -> list[str]:
     _check_generator_repair_internals(need)
     _check_draft_free_internals(need)
     _check_rejection_methods_internals(need)
+    _check_tensor_parallel_internals(need)
+    _check_carried_q_internals(need)
     return problems
 
 
@@ -331,3 +333,53 @@ def _check_rejection_methods_internals(need) -> None:
          "Model Runner V2's RejectionSampler implements rejection_sample_method == 'block'")
     need('rejection_sample_method == "standard"' in inspect.getsource(llm_base_proposer),
          "V1 draft_model/EAGLE keep draft probabilities only for rejection_sample_method == 'standard'")
+
+
+def _check_tensor_parallel_internals(need) -> None:
+    """vllm_specplugin.tensor_parallel: every TP rank samples itself and verifies the output rank's
+    drafts against its own q; the agreement all-gathers over the TP group's CPU group."""
+    from vllm.distributed import parallel_state
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    need(callable(getattr(parallel_state, "get_tp_group", None)), "vllm.distributed.parallel_state.get_tp_group")
+    need(callable(getattr(parallel_state, "get_tensor_model_parallel_rank", None)),
+         "vllm.distributed.parallel_state.get_tensor_model_parallel_rank")
+    coordinator_init = inspect.getsource(parallel_state.GroupCoordinator.__init__)
+    need(all(f"self.{a}" in coordinator_init for a in ("cpu_group", "rank_in_group", "world_size")),
+         "GroupCoordinator.cpu_group / rank_in_group / world_size")
+    need("unique_reply_rank=self.output_rank" in inspect.getsource(MultiprocExecutor.take_draft_token_ids),
+         "MultiprocExecutor.take_draft_token_ids replies from the output rank only")
+    update = inspect.getsource(GPUModelRunner._update_states)
+    need("if not is_last_rank:" in update and "new_token_ids" in update,
+         "GPUModelRunner._update_states takes the scheduler's new_token_ids only on non-last pipeline ranks "
+         "(every TP rank appends its own sampled tokens)")
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    batch_init = inspect.getsource(InputBatch.__init__)
+    need("self.num_tokens_no_spec =" in batch_init and "self.token_ids_cpu =" in batch_init
+         and isinstance(getattr(InputBatch, "req_ids", None), property)
+         and isinstance(getattr(InputBatch, "num_reqs", None), property),
+         "InputBatch.num_tokens_no_spec / token_ids_cpu / req_ids / num_reqs (hashed per row by the TP agreement)")
+
+
+def _check_carried_q_internals(need) -> None:
+    """runner_shim._carried_q: the scheduler keeps the drafts of a running request it skips for a step
+    (it clears them only when it schedules the request), and the runner looks q up by request id in
+    the last hand-over only, falling back to one-hot verification of the whole step on a miss (the
+    warning tests/e2e/test_seeded_reproducibility.py looks for)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    lookup = inspect.getsource(GPUModelRunner._get_spec_decode_draft_probs)
+    need("self._draft_prob_req_ids" in lookup and "Missing cached draft probabilities" in lookup,
+         "GPUModelRunner._get_spec_decode_draft_probs looks q up by request id in _draft_prob_req_ids and warns "
+         "'Missing cached draft probabilities' on a miss")
+    need("request.spec_token_ids = []" in inspect.getsource(Scheduler.schedule),
+         "Scheduler.schedule clears a request's drafts only when it schedules the request")
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    fields = getattr(SpecDecodeMetadata, "__dataclass_fields__", {})
+    need("draft_token_ids" in fields and "num_draft_tokens" in fields,
+         "SpecDecodeMetadata.draft_token_ids ([total drafts], batch order) and num_draft_tokens (per row); "
+         "runner_shim._one_hot_only_where_q_is_missing rebuilds the lookup from them")

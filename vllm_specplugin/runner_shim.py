@@ -23,8 +23,12 @@ The boundary, both ways (vLLM 0.32, ``gpu_model_runner.py`` / ``gpu_input_batch.
   with drafts, by request id, and concatenates them (``[total drafts, V]``) for the rejection
   sampler, which needs V = the width of the target's logits.
 
-If the shim cannot hand q over, the step's drafts are dropped (plain decoding) rather than
-verified as one-hot: drafts sampled at T > 0 are only exact against the q they came from.
+If the shim cannot hand q over, the step's drafts are dropped (plain decoding). Verifying them as
+one-hot would be exact too (accept x with probability p(x), else sample p without x: the output
+is p for ANY x drawn independently of the verifier's random numbers), but it accepts less than
+min(1, p/q) and would hide a broken hand-over; what the rule must never see is a q other than the
+one x was drawn from (fault g). A request whose q is missing while others have theirs is
+verified one-hot alone (``_one_hot_only_where_q_is_missing``).
 """
 
 from __future__ import annotations
@@ -86,10 +90,22 @@ def install() -> None:
     from vllm_specplugin.patches import wrap_once
 
     wrap_once(GPUModelRunner, "propose_draft_token_ids", _shimmed_propose_draft_token_ids)
+    wrap_once(GPUModelRunner, "_get_spec_decode_draft_probs", _one_hot_only_where_q_is_missing)
 
 
 def _shimmed_propose_draft_token_ids(original):
     def propose_draft_token_ids(self, *args, **kwargs):
+        draft_token_ids = shimmed(self, *args, **kwargs)
+        from vllm_specplugin import tensor_parallel
+
+        state = tensor_parallel.group_state(self)
+        if state is not None and isinstance(draft_token_ids, list):
+            # Tensor parallelism: every rank verifies rank 0's drafts against its own q, so all
+            # ranks must hold the same drafts and q, or all drop them (tensor_parallel.py).
+            draft_token_ids = tensor_parallel.agree(self, state, draft_token_ids)
+        return draft_token_ids
+
+    def shimmed(self, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
         if not (_shim_enabled(self) and hasattr(drafter, "set_batch_view")):
             return original(self, *args, **kwargs)
@@ -101,6 +117,7 @@ def _shimmed_propose_draft_token_ids(original):
             logger.exception("specplugin: runner shim cannot read the input batch; switching the shim off")
             self._specplugin_shim_enabled = False
             return original(self, *args, **kwargs)
+        carried = _carried_q(self, view)  # before the drafter reuses its q buffer
         drafter.set_batch_view(view)
         draft_token_ids = original(self, *args, **kwargs)
         try:
@@ -115,16 +132,105 @@ def _shimmed_propose_draft_token_ids(original):
                 logger.error("specplugin: switching the runner shim OFF after %d failed hand-overs in a row: drafts "
                              "are greedy from now on, verified as one-hot (exact)", failures)
                 self._specplugin_shim_enabled = False
-            self._draft_probs = None
-            self._draft_prob_req_ids = None
-            return [[] for _ in draft_token_ids]
-        self._specplugin_handover_failures = 0
-        if probs is not None:
-            self._draft_probs = probs
-            self._draft_prob_req_ids = list(view.req_ids)
+            draft_token_ids = [[] for _ in draft_token_ids]
+            probs = None
+        else:
+            self._specplugin_handover_failures = 0
+        _hand_over(self, probs, view, draft_token_ids, carried)
         return draft_token_ids
 
     return propose_draft_token_ids
+
+
+def _carried_q(runner, view: BatchView) -> dict:
+    """q of drafts that vLLM's scheduler still holds for requests outside this step's batch.
+
+    Under load a running request can miss a step (the step's token budget ran out before the
+    scheduler reached it, e.g. behind a long chunked prefill): it leaves the runner's batch, but
+    the scheduler keeps the drafts it got earlier and schedules them when the request is back.
+    ``_get_spec_decode_draft_probs`` then looks their q up by request id in the LAST hand-over,
+    which lacks it, and vLLM verifies the WHOLE step's drafts as one-hot ("Missing cached draft
+    probabilities ... legacy speculative rejection behavior"): not exact for sampled drafts, and
+    the reason seeded outputs changed with the load. So the shim carries such q rows over
+    (request id -> [k, V], cloned before the drafter reuses its buffer) until the request is back.
+    """
+    carried = getattr(runner, "_specplugin_carried_q", None) or {}
+    in_batch = set(view.req_ids)
+    carried = {rid: q for rid, q in carried.items() if rid not in in_batch and rid in view.live_request_ids}
+    last = getattr(runner, "_specplugin_last_handover", None)
+    if last is not None:
+        probs, req_ids, lengths = last
+        for row, (rid, n) in enumerate(zip(req_ids, lengths)):
+            if n and rid not in in_batch and rid in view.live_request_ids and rid not in carried:
+                carried[rid] = probs[row].clone()
+                count = getattr(runner, "_specplugin_carried_count", 0) + 1
+                runner._specplugin_carried_count = count
+                if count <= 10 or count % 1000 == 0:
+                    logger.info("specplugin: request %s has drafts scheduled but is not in this step's batch; its q "
+                                "is kept for when vLLM verifies them (%d such request-steps so far)", rid, count)
+    runner._specplugin_carried_q = carried
+    return carried
+
+
+def _hand_over(runner, probs, view: BatchView, draft_token_ids, carried: dict) -> None:
+    """Store this step's q (rows = the batch) and the carried rows where vLLM's sampler reads them."""
+    req_ids = list(view.req_ids)
+    runner._specplugin_last_handover = (
+        None if probs is None else (probs, req_ids, [len(d) for d in draft_token_ids]))
+    if carried:
+        import torch
+
+        extra_ids = list(carried)
+        extra = torch.stack([carried[rid] for rid in extra_ids])  # [c, k, V]
+        if probs is not None:
+            extra = torch.cat([probs, extra.to(probs.device)])
+            extra_ids = req_ids + extra_ids
+        runner._draft_probs, runner._draft_prob_req_ids = extra, extra_ids
+    elif probs is not None:
+        runner._draft_probs, runner._draft_prob_req_ids = probs, req_ids
+    else:
+        runner._draft_probs = runner._draft_prob_req_ids = None
+
+
+def _one_hot_only_where_q_is_missing(original):
+    """When some request's drafts have no q in the hand-over, vLLM 0.32 verifies the WHOLE step as
+    one-hot. Seen under load even with _carried_q (e.g. at the first step after the batch changed
+    almost entirely; path not identified). Here only that request's drafts get a one-hot q, which is
+    exact for any proposal drawn independently of the verifier's random numbers (accept x with
+    probability p(x), else sample p without x), and every other request keeps its own q, so its
+    outcome does not depend on another request's misfortune."""
+    def _get_spec_decode_draft_probs(self, spec_decode_metadata):
+        probs, ids = self._draft_probs, self._draft_prob_req_ids
+        if probs is None or ids is None or not _shim_enabled(self):
+            return original(self, spec_decode_metadata)
+        row_of = {rid: i for i, rid in enumerate(ids)}
+        drafted = [(rid, n) for rid, n in zip(self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens) if n]
+        if all(rid in row_of for rid, _ in drafted):
+            return original(self, spec_decode_metadata)
+        import torch
+
+        tokens = spec_decode_metadata.draft_token_ids.to(probs.device)  # [total drafts], batch order
+        rows, start = [], 0
+        for rid, n in drafted:
+            row = row_of.get(rid)
+            if row is None and bool((tokens[start:start + n] < 0).any()):
+                # vLLM's own placeholder drafts (-1, seen at the first step of a new batch): not ours,
+                # no q to give; vLLM's whole-step one-hot path handles them as it always did.
+                return original(self, spec_decode_metadata)
+            if row is None:
+                rows.append(torch.nn.functional.one_hot(tokens[start:start + n].long(), probs.shape[-1]).to(probs.dtype))
+                count = getattr(self, "_specplugin_one_hot_rows", 0) + 1
+                self._specplugin_one_hot_rows = count
+                if count <= 10 or count % 1000 == 0:
+                    logger.warning("specplugin: request %s has %d draft(s) scheduled without a q in the hand-over; "
+                                   "they are verified as one-hot (exact), the step's other drafts against their q "
+                                   "(%d such request-steps so far)", rid, n, count)
+            else:
+                rows.append(probs[row, :n])
+            start += n
+        return torch.cat(rows).contiguous()
+
+    return _get_spec_decode_draft_probs
 
 
 def _check_probs(probs, draft_token_ids, num_reqs: int) -> None:

@@ -685,3 +685,58 @@ def test_suite_holm_decision(request):
     rejected = holm_reject(pvalues, SUITE_ALPHA)
     print(f"\nHolm over {len(pvalues)} cases at {SUITE_ALPHA}: rejected {int(rejected.sum())}, faults {sum(faults)}")
     assert list(rejected) == faults, [(name, p) for name in SUITE for p, _ in _RECORDED[name]]
+
+
+# --- tensor parallelism (issue 14 item 6; outside the suite's Holm family above) ------------
+
+
+def test_tensor_parallel_plugin_is_exact(peaked_target, peaked_draft, reference, tmp_path):
+    """The plugin's draft proposer (runner shim on) with tensor_parallel_size=2 (one core per rank,
+    vllm_specplugin/tensor_parallel.py): honest at T = 0 and at T = 1 with top-k / top-p, and the
+    q hand-off fault (g) caught. Its own family of 3 cases, Holm at SUITE_ALPHA (not recorded for
+    test_suite_holm_decision). Fault (g)'s power at its exact effect is computed by
+    test_catches_plugin_q_handoff_fault for the same draft and sampling at the stricter suite level
+    (>= 0.99). Every rank's report must show steps checked and no disagreement or context mismatch.
+    Two TP=2 engines."""
+    from vllm_specplugin.verification.drivers import run_offline
+
+    def driver(fault: str | None, report_dir: str):
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "SPECPLUGIN_TP_REPORT_DIR": report_dir}
+        if fault:
+            env["SPECPLUGIN_INJECT_FAULT"] = fault
+        return lambda tasks: run_offline(
+            peaked_target, tasks, speculative_config=ENSEMBLE_PROPOSER,
+            additional_config={"specplugin": {"drafts": [peaked_draft], "runner_shim": True}},
+            engine_options={"tensor_parallel_size": 2}, extra_env=env)
+
+    def rank_reports(report_dir) -> list[dict]:
+        import json
+
+        return [json.loads((report_dir / f"rank-{r}.json").read_text()) for r in range(2)]
+
+    honest_dir, fault_dir = tmp_path / "honest", tmp_path / "fault"
+    honest_dir.mkdir()
+    fault_dir.mkdir()
+    honest = [sampling(0.0), sampling(1.0)]
+    assert planned_power(reference, honest[1]) >= POWER
+    kwargs = dict(greedy_prompts=GREEDY_PROMPTS, alpha=SUITE_ALPHA, family_size=3, delta=DELTA,
+                  reference=reference, progress=False, speculative_config=ENSEMBLE_PROPOSER,  # recorded
+                  additional_config={"specplugin": {"drafts": [peaked_draft], "runner_shim": True}})
+    report = run_check(peaked_target, honest, PROMPTS, driver=driver(None, str(honest_dir)),
+                       driver_name="offline tensor_parallel_size=2", **kwargs)
+    print("\n" + report.format_table())
+    for case in report.cases:
+        assert not case.rejected and case.impossible_count == 0, (case.name, case.pvalue, case.worst_node)
+    assert report.cases[1].tokens_checked == len(PROMPTS) * N_HONEST * M_TOKENS
+    assert report.cases[1].acceptance_rate and report.cases[1].acceptance_rate > 0.05
+    ranks = rank_reports(honest_dir)
+    print(ranks)
+    assert all(r["steps"] > 0 and r["disagreements"] == 0 and r["context_mismatches"] == 0 for r in ranks), ranks
+    faulty = run_check(peaked_target, [sampling(1.0, n=N_FAULT)], PROMPTS, driver=driver("handoff_q_temperature",
+                       str(fault_dir)), driver_name="offline tensor_parallel_size=2",
+                       injected_fault="handoff_q_temperature", **kwargs)
+    print("\n" + faulty.format_table())
+    (case,) = faulty.cases
+    assert case.rejected, (case.name, case.pvalue)
+    pvalues = [c.pvalue for c in report.cases] + [case.pvalue]
+    assert list(holm_reject(pvalues, SUITE_ALPHA)) == [False, False, True], pvalues
