@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
@@ -314,6 +315,60 @@ def emission_distribution(
 
     walk(0, (), 1.0)
     return law
+
+
+def drawn_children_law(p: np.ndarray, q: np.ndarray, count: int,
+                       fault: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The law of one node's walk, over the draws of its ``count`` children drawn one after another
+    without replacement from ``q`` and verified by recursive rejection sampling (the
+    without-replacement rule of :func:`verify_tree_nodes`, or its ``q_not_updated`` fault).
+
+    ``p``, ``q`` [V] float64 distributions at the node (target, draft). Returns (``accepted``
+    [count, V]: accepted[i, y] = P(child i is accepted and carries y), ``residual`` [V]:
+    P(every child rejected, the residual draw is y)); ``accepted.sum(0) + residual`` is the law of
+    the node's next emitted token, which is ``p`` for the honest rule. The same rule as the
+    sampled walk (accept min(1, p/qc), residual max(p - qc, 0), qc renormalised without each
+    rejected child; an empty residual keeps p), vectorised over the draws: the tests check it
+    against :func:`emission_distribution` averaged over every draw. Cost O(S^count) memory with S
+    the tokens where p or q is positive (count <= 2 at V = 512; larger counts on small supports).
+    """
+    if fault not in (None, "q_not_updated"):
+        raise ValueError(f"drawn_children_law models the without-replacement rule or its q_not_updated fault, not {fault!r}")
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    support = np.flatnonzero((p > 0) | (q > 0))  # other tokens are never drawn nor emitted
+    accepted, residual = np.zeros((count, p.shape[0])), np.zeros(p.shape[0])
+    sub_accepted, sub_residual = _drawn_law(p[support], q[support], q[support], count, fault is not None)
+    accepted[:, support], residual[support] = sub_accepted, sub_residual
+    return accepted, residual
+
+
+def _normalized_rows(rows: np.ndarray, empty: np.ndarray | float) -> np.ndarray:
+    total = rows.sum(-1, keepdims=True)
+    return np.where(total > 0, rows / np.where(total > 0, total, 1.0), empty)
+
+
+def _drawn_law(p, draw, rule_q, count, keep_q):
+    """:func:`drawn_children_law` over leading batch axes: ``p`` the residual, ``draw`` the
+    distribution the next child is drawn from, ``rule_q`` the q of the rule (``draw`` honestly;
+    the original q when ``keep_q``, the fault). Returns ([count, ..., S], [..., S])."""
+    if count == 0:
+        return np.zeros((0,) + p.shape), p.copy()
+    ratio = np.where(rule_q > 0, np.minimum(1.0, p / np.where(rule_q > 0, rule_q, 1.0)), 0.0)
+    first = draw * ratio  # the first child is drawn and accepted
+    rejected = draw * (1.0 - ratio)  # [..., S]: drawn and rejected, per token
+    p_next = _normalized_rows(np.maximum(p - rule_q, 0.0), p)  # the same whichever token was rejected
+    if count == 1:
+        return first[None], rejected.sum(-1, keepdims=True) * p_next
+    # One more axis: the rejected token x. The next child is drawn from draw without x.
+    size = p.shape[-1]
+    draw_next = _normalized_rows(np.where(np.eye(size, dtype=bool), 0.0, draw[..., None, :]), 0.0)
+    rule_next = np.broadcast_to(rule_q[..., None, :], draw_next.shape) if keep_q else draw_next
+    p_after = np.broadcast_to(p_next[..., None, :], draw_next.shape)
+    rest, residual = _drawn_law(p_after, draw_next, rule_next, count - 1, keep_q)
+    exhausted = draw_next.sum(-1, keepdims=True) == 0  # x held all of draw: no sibling follows
+    rest, residual = np.where(exhausted, 0.0, rest), np.where(exhausted, p_after, residual)
+    return (np.concatenate([first[None], np.einsum("...x,k...xv->k...v", rejected, rest)]),
+            np.einsum("...x,...xv->...v", rejected, residual))
 
 
 # ---------------------------------------------------------------------------------------------

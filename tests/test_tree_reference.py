@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +24,7 @@ from vllm_specplugin.proposers.tree_verify import (
     AcceptanceRule,
     ReferenceTreeVerifier,
     draft_probs_from_tree,
+    drawn_children_law,
     emission_distribution,
     tree_attention_mask,
     tree_children,
@@ -283,6 +285,63 @@ def test_sampled_walk_follows_the_enumerated_law(rule):
     gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
     first, again = (verify_tree(target, draft, parents, tokens, rule, g) for g in (gen_a, gen_b))
     assert first == again  # the generator alone decides
+
+
+def _drawn_law_by_enumeration(p, q, count, fault):
+    """drawn_children_law's (accepted, residual) from emission_distribution on every ordered draw
+    of ``count`` children without replacement, weighted by its probability."""
+    vocab = len(p)
+    accepted, residual = np.zeros((count, vocab)), np.zeros(vocab)
+    for draw in itertools.permutations(range(vocab), count):
+        weight, left = 1.0, 1.0
+        for x in draw:
+            weight, left = weight * q[x] / left, left - q[x]
+        if weight == 0:
+            continue
+        rows = torch.tensor(np.stack([p] * (count + 1)))
+        drafts = torch.tensor(np.stack([q] * (count + 1)))
+        law = emission_distribution(rows, drafts, [-1] + [0] * count, [-1, *draw], "without_replacement", fault=fault)
+        for seq, prob in law.items():
+            if len(seq) == 2:  # a child accepted, then its (leaf) draw
+                accepted[draw.index(seq[0]), seq[0]] += weight * prob
+            else:
+                residual[seq[0]] += weight * prob
+    return accepted, residual
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+@pytest.mark.parametrize("fault", [None, "q_not_updated"])
+def test_drawn_children_law_marginalises_the_walk_over_the_draws(count, fault):
+    """The vectorised law of a node with drawn children (the statistical tier's fault power) equals
+    the enumerated walk averaged over every draw; honest, it is the target; with the fault, not."""
+    rng = np.random.default_rng(count)
+    worst = 0.0
+    for trial in range(12):
+        p, q = rng.dirichlet(np.full(5, 0.5)), rng.dirichlet(np.full(5, 0.5))
+        if trial % 3 == 0:
+            q[trial % 5] = 0.0  # a token the draft never draws
+            q /= q.sum()
+        accepted, residual = drawn_children_law(p, q, count, fault)
+        expected_accepted, expected_residual = _drawn_law_by_enumeration(p, q, count, fault)
+        np.testing.assert_allclose(accepted, expected_accepted, atol=1e-12)
+        np.testing.assert_allclose(residual, expected_residual, atol=1e-12)
+        law = accepted.sum(0) + residual
+        assert abs(law.sum() - 1) < 1e-12
+        worst = max(worst, 0.5 * np.abs(law - p).sum())
+        if fault is None:
+            np.testing.assert_allclose(law, p, atol=1e-12)
+    if fault is not None and count > 1:
+        assert worst > 1e-3  # the fault shows (one child alone has no sibling to mis-handle)
+    # Tokens outside both supports stay zero at a larger vocabulary.
+    p, q = np.zeros(40), np.zeros(40)
+    p[[1, 3, 5]], q[[3, 5, 7]] = [0.2, 0.5, 0.3], [0.6, 0.3, 0.1]
+    accepted, residual = drawn_children_law(p, q, count, fault)
+    assert set(np.flatnonzero(accepted.sum(0) + residual)) <= {1, 3, 5}
+
+
+def test_drawn_children_law_refuses_other_faults():
+    with pytest.raises(ValueError, match="without-replacement"):
+        drawn_children_law(np.ones(3) / 3, np.ones(3) / 3, 2, "iid_on_topk")
 
 
 def test_greedy_walk_takes_the_argmax_child_even_when_not_first():

@@ -398,3 +398,126 @@ def test_wrappers_change_nothing_without_tree_state_or_for_chains_and_mismatches
     assert tv._CURRENT.entries[0].parents == [-1, 0, 0, 1]
     assert runner.positions[1:5].tolist() == [31, 32, 32, 33]
     tv._CURRENT = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA path (FlashAttention / Triton / FlexAttention cache layout): no GPU here, so its layout
+# helpers and backend selection are tested on CPU tensors; vLLM's CUDA writer
+# (reshape_and_cache_flash) is not available on CPU and is stood in for by the indexing it does.
+# ---------------------------------------------------------------------------------------------
+
+
+def _flash_writer(impl, layer, key, value, kv_cache, slot_mapping):
+    """What vLLM 0.32's CUDA backends' do_kv_cache_update writes (reshape_and_cache_flash into
+    ``kv_cache.transpose(1, 2).split(D, dim=-1)``: slot s -> block s // B, offset s % B)."""
+    dim = key.shape[-1]
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(dim, dim=-1)  # [num_blocks, B, H, D] views
+    block = kv_cache.shape[2]
+    key_cache[slot_mapping // block, slot_mapping % block] = key
+    value_cache[slot_mapping // block, slot_mapping % block] = value
+
+
+def _installed_source(module: str) -> str:
+    import importlib.util
+
+    with open(importlib.util.find_spec(module).origin) as f:
+        return f.read()
+
+
+def test_the_flash_writer_stand_in_is_what_vllms_cuda_backends_do():
+    for spec in tv.CUDA_BACKENDS:
+        assert "kv_cache.transpose(1, 2).split(self.head_size, dim=-1)" in _installed_source(spec.module), spec
+        assert "[num_blocks, num_kv_heads, block_size, 2 * head_size]" in _installed_source(spec.module) or (
+            spec.name == "FLASH_ATTN" and "(B, H, N, 2*D)" in _installed_source(spec.module)), spec
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_cuda_layout_reads_what_the_flash_writer_wrote_and_the_probe_tells_layouts_apart(dtype):
+    block, dim, heads = 16, 64, 4
+    cache = torch.zeros(6, heads, block, 2 * dim, dtype=dtype)
+    table = torch.tensor([5, 0, 2], dtype=torch.int32)  # scattered blocks
+    n = 2 * block + 3
+    key, value = torch.randn(n, heads, dim).to(dtype), torch.randn(n, heads, dim).to(dtype)
+    slots = torch.tensor([int(table[i // block]) * block + i % block for i in range(n)])
+    _flash_writer(None, None, key, value, cache, slots)
+    k, v = tv.read_paged_kv(cache, table, n, "kv_interleaved")
+    assert k.shape == (n, heads, dim) and torch.equal(k, key) and torch.equal(v, value)
+    k, v = tv.read_paged_kv(cache, table, 5, "kv_interleaved")
+    assert torch.equal(k, key[:5]) and torch.equal(v, value[:5])
+    for layout in ("k_dxb", "k_bxd"):  # the CPU layouts do not read it back
+        k, v = tv.read_paged_kv(cache, table, n, layout)
+        assert not (torch.equal(k, key) and torch.equal(v, value)), layout
+    flash = tv.CUDA_BACKENDS[0]
+    assert tv.probe_layout(None, None, cache, backend=flash, writer=_flash_writer) == "kv_interleaved"
+    assert tv.probe_layout(None, None, cache, fault="probe_layout", backend=flash, writer=_flash_writer) is None
+    # CPU layouts against the CUDA writer: refused, as tree mode would be at start-up.
+    assert tv.probe_layout(None, None, cache, backend=tv.CPU_BACKEND, writer=_flash_writer) is None
+
+
+def test_tree_rows_over_the_cuda_layout_equal_attention_along_each_path():
+    """The recompute's inputs from a CUDA-layout cache: prefix K/V read back, tree attention over
+    [prefix | tree] equals plain causal attention over prefix + the path, for every node."""
+    block, dim, heads, n0 = 16, 32, 2, 21
+    cache = torch.zeros(4, heads, block, 2 * dim)
+    table = torch.tensor([3, 1])
+    prefix_k, prefix_v = torch.randn(n0, heads, dim), torch.randn(n0, heads, dim)
+    _flash_writer(None, None, prefix_k, prefix_v, cache,
+                  torch.tensor([int(table[i // block]) * block + i % block for i in range(n0)]))
+    read_k, read_v = tv.read_paged_kv(cache, table, n0, "kv_interleaved")
+    nodes = len(PARENTS)
+    query, key, value = (torch.randn(nodes, heads, dim) for _ in range(3))
+    out = tv.tree_attention(query, key, value, read_k, read_v, tree_attention_mask(PARENTS), dim ** -0.5)
+    for node in range(nodes):
+        path = [node]
+        while PARENTS[path[-1]] >= 0:
+            path.append(PARENTS[path[-1]])
+        path = path[::-1]
+        keys = torch.cat([prefix_k, key[path]]).transpose(0, 1)
+        values = torch.cat([prefix_v, value[path]]).transpose(0, 1)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[node][:, None], keys, values, scale=dim ** -0.5)[:, 0]
+        torch.testing.assert_close(out[node], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_selection_by_platform():
+    assert tv.platform_backends("cpu") == (tv.CPU_BACKEND,)
+    assert [s.name for s in tv.platform_backends("cuda")] == ["FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION"]
+    assert tv.platform_backends("rocm") == () and tv.platform_backends("tpu") == ()
+    assert tv.CPU_BACKEND.tested and not any(s.tested for s in tv.CUDA_BACKENDS)
+    assert tv.current_platform_name() == "cpu"
+    with pytest.raises(tv.TreeVerificationUnavailable, match="no tree attention path for platform 'rocm'"):
+        tv.register_backend(platform="rocm")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    for spec in tv.ALL_BACKENDS:
+        assert getattr(AttentionBackendEnum, spec.name).value == f"{spec.module}.{spec.backend_class}"
+        source = _installed_source(spec.module)
+        assert f"class {spec.backend_class}(" in source and f"class {spec.impl_class}(" in source
+        assert "def do_kv_cache_update(" in source
+
+
+def test_cuda_tree_subclasses_build_on_cpu_and_resolve_by_name():
+    """vLLM 0.32's CUDA backend modules import on this CPU build: the tree subclasses are built
+    and resolvable the way vLLM's registry resolves a backend path (import + getattr)."""
+    import importlib
+
+    for spec in tv.ALL_BACKENDS:
+        backend, impl = tv.backend_classes(spec)
+        base_backend, base_impl = tv._vllm_classes(spec)
+        assert issubclass(backend, base_backend) and issubclass(impl, base_impl)
+        assert backend.get_impl_cls() is impl and backend.get_name() == base_backend.get_name() == spec.name
+        module_path, _, name = tv.backend_path(spec).rpartition(".")
+        assert getattr(importlib.import_module(module_path), name) is backend
+        assert tv.vllm_cache_writer(spec) is base_impl.do_kv_cache_update
+    assert tv.CPU_BACKEND.tree_impl_name == "TreeCPUAttentionImpl"
+
+
+def test_importing_tree_verification_imports_no_cuda_backend():
+    import subprocess
+    import sys
+
+    code = ("import sys; import vllm_specplugin.tree_verification as tv; tv.backend_classes(); "
+            "print(sorted(s.module for s in tv.CUDA_BACKENDS if s.module in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -178,6 +178,19 @@ def _check_tree_verification_internals(need) -> None:
         __import__("vllm.model_executor.layers.attention.attention", fromlist=["x"]).get_attention_context),
         "Attention layers keep their KV cache tensor in .kv_cache")
     need(Attention is not None, "vllm.model_executor.layers.attention.Attention")
+    # The CUDA path (untested on a GPU): read as source text, so no CUDA backend is imported here.
+    import importlib.util
+
+    for spec in tree_verification.CUDA_BACKENDS:
+        found = importlib.util.find_spec(spec.module)
+        source = open(found.origin).read() if found is not None and found.origin else ""
+        need(f"class {spec.backend_class}(" in source and f"class {spec.impl_class}(" in source
+             and spec.name in registry.AttentionBackendEnum.__members__,
+             f"{spec.module}: {spec.backend_class} / {spec.impl_class}, routed as {spec.name}")
+        need("key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)" in source
+             and "def do_kv_cache_update(" in source and "forward_includes_kv_cache_update: bool = False" in source,
+             f"{spec.module}: cache [num_blocks, H_kv, B, 2D] with token rows [K | V], written by "
+             "do_kv_cache_update before forward")
     # The runner: positions then slot mapping in _prepare_inputs; logits rows per request; sampling.
     prepare = inspect.unwrap(GPUModelRunner._prepare_inputs)
     need(list(inspect.signature(prepare).parameters) == ["self", "scheduler_output", "num_scheduled_tokens"],

@@ -27,6 +27,12 @@ have a whole token tree verified in one target forward, exactly (design map:
 6. **Start-up check and layout probe** (``initialize_kv_cache`` wrapper): refuses tree mode with
    :class:`TreeVerificationUnavailable` when the model or engine uses something this path does
    not handle, or when known values written with vLLM's writer do not read back.
+7. **Platforms** (:data:`CPU_BACKEND`, :data:`CUDA_BACKENDS`): the same subclass, recompute,
+   compaction and probe over vLLM's CPU backend or, on CUDA, its FlashAttention, Triton and
+   FlexAttention backends (one cache layout, token rows [K | V]). The CUDA path is UNTESTED on a
+   GPU: its layout helpers and backend selection are unit-tested on CPU tensors only, its CUDA
+   modules are imported only in a CUDA worker, and full CUDA graphs (which would replay vLLM's
+   kernel without the recompute) are refused.
 
 Requests needing chain-only features (penalties, bad words, min_tokens, structured output,
 logprobs, logit bias, min_p, allowed tokens, thinking budget) are drafted and verified as a chain.
@@ -79,12 +85,79 @@ assert set(WALK_FAULTS) <= set(WALK_RULE_FAULTS)
 TREE_FAULTS = ("probe_layout", "no_ancestor_mask", "no_tree_positions", "no_kv_compaction", "first_child_only",
                *WALK_FAULTS)
 
-# Paged-cache layouts of one block and head, as [K region | V region] of B * D elements each
-# (vLLM views the cache [num_blocks, H_kv, B, 2D] as [num_blocks, H_kv, 2B, D] and chunks it).
-# "k_dxb": K column-major [D, B], V row-major [B, D] (CPU "vec" ISA, checked for fp32 and bf16).
-# "k_bxd": both row-major [B, D]. The probe picks the first that reads back what vLLM wrote.
-LAYOUTS = ("k_dxb", "k_bxd")
+# Paged-cache layouts of vLLM 0.32's cache tensor [num_blocks, H_kv, B, 2D]. On CPU, one block and
+# head is [K region | V region] of B * D elements each (vLLM views the cache as
+# [num_blocks, H_kv, 2B, D] and chunks it): "k_dxb": K column-major [D, B], V row-major [B, D] (CPU
+# "vec" ISA, checked for fp32 and bf16); "k_bxd": both row-major [B, D]. On CUDA (FlashAttention,
+# Triton and FlexAttention backends alike), every token's row of 2D holds [K | V]:
+# "kv_interleaved", ``key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)``, each
+# [num_blocks, B, H_kv, D]. The probe picks the first of its backend's layouts that reads back what
+# vLLM's writer wrote.
+LAYOUTS = ("k_dxb", "k_bxd", "kv_interleaved")
 _BOGUS_LAYOUT = "v_dxb"  # K and V both column-major: what the probe_layout fault reads with
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeBackendSpec:
+    """One vLLM attention backend the tree path subclasses: the registry name it is routed through,
+    vLLM's module and classes (imported only when used, in a worker of that platform), the cache
+    layouts its writer may use, and whether the path has run on that backend."""
+
+    name: str  # AttentionBackendEnum member
+    module: str
+    backend_class: str
+    impl_class: str
+    layouts: tuple[str, ...]
+    tested: bool
+
+    @property
+    def tree_backend_name(self) -> str:
+        return f"Tree{self.backend_class}"
+
+    @property
+    def tree_impl_name(self) -> str:
+        return "Tree" + self.impl_class.replace("BackendImpl", "Impl")  # TreeCPUAttentionImpl, TreeFlashAttentionImpl
+
+
+_BACKENDS = "vllm.v1.attention.backends."
+CPU_BACKEND = TreeBackendSpec("CPU_ATTN", _BACKENDS + "cpu_attn", "CPUAttentionBackend", "CPUAttentionBackendImpl",
+                              ("k_dxb", "k_bxd"), tested=True)
+# The CUDA path: the same torch recompute and compaction over vLLM's CUDA cache layout. UNTESTED on
+# CUDA (written and unit-tested on CPU tensors with these layouts; no GPU was available).
+CUDA_BACKENDS = (
+    TreeBackendSpec("FLASH_ATTN", _BACKENDS + "flash_attn", "FlashAttentionBackend", "FlashAttentionImpl",
+                    ("kv_interleaved",), tested=False),
+    TreeBackendSpec("TRITON_ATTN", _BACKENDS + "triton_attn", "TritonAttentionBackend", "TritonAttentionImpl",
+                    ("kv_interleaved",), tested=False),
+    TreeBackendSpec("FLEX_ATTENTION", _BACKENDS + "flex_attention", "FlexAttentionBackend", "FlexAttentionImpl",
+                    ("kv_interleaved",), tested=False),
+)
+ALL_BACKENDS = (CPU_BACKEND, *CUDA_BACKENDS)
+
+
+def platform_backends(platform: str) -> tuple[TreeBackendSpec, ...]:
+    """The backends tree verification routes on a platform ("cpu", "cuda"); none elsewhere."""
+    return {"cpu": (CPU_BACKEND,), "cuda": CUDA_BACKENDS}.get(platform, ())
+
+
+def current_platform_name() -> str:
+    """"cpu", "cuda" or vLLM's device name of the platform this process runs on."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return str(getattr(current_platform, "device_name", "unknown"))
+
+
+def backend_spec_of(impl) -> TreeBackendSpec | None:
+    """The spec whose tree impl ``impl`` is (None: not a tree attention impl)."""
+    for spec in ALL_BACKENDS:
+        if type(impl).__name__ == spec.tree_impl_name and spec.name in _CLASSES and isinstance(
+                impl, _CLASSES[spec.name][1]):
+            return spec
+    return None
 
 
 class TreeVerificationUnavailable(RuntimeError):
@@ -106,13 +179,18 @@ def requested_fault() -> str | None:
 def read_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, layout: str):
     """The first ``num_tokens`` tokens' K and V of one request from a paged cache.
 
-    ``kv_cache`` [num_blocks, H_kv, B, 2D] (vLLM's CPU cache tensor); ``block_ids`` [>= ceil(n / B)]
-    the request's block table row. Returns (K, V), each [num_tokens, H_kv, D] in the cache dtype.
+    ``kv_cache`` [num_blocks, H_kv, B, 2D] (vLLM's cache tensor, CPU or CUDA); ``block_ids``
+    [>= ceil(n / B)] the request's block table row; ``layout`` one of :data:`LAYOUTS`. Returns
+    (K, V), each [num_tokens, H_kv, D] in the cache dtype, on the cache's device.
     """
     num_blocks, heads, block, two_d = kv_cache.shape
     dim = two_d // 2
     needed = -(-num_tokens // block)
-    blocks = kv_cache[block_ids[:needed].long()]  # [n_blk, H, B, 2D], a copy
+    blocks = kv_cache[block_ids[:needed].long().to(kv_cache.device)]  # [n_blk, H, B, 2D], a copy
+    if layout == "kv_interleaved":  # token rows [K | V] (CUDA backends)
+        k, v = blocks.transpose(1, 2).split(dim, dim=-1)  # each [n_blk, B, H, D]
+        return (k.reshape(needed * block, heads, dim)[:num_tokens],
+                v.reshape(needed * block, heads, dim)[:num_tokens])
     regions = blocks.reshape(needed, heads, 2, block * dim)
     k_region, v_region = regions[:, :, 0], regions[:, :, 1]
     if layout in ("k_dxb", _BOGUS_LAYOUT):
@@ -239,6 +317,7 @@ class TreeStep:
     layout: str
     fault: str | None
     saved: list[_SavedLayer] = dataclasses.field(default_factory=list)
+    backend: TreeBackendSpec = CPU_BACKEND  # whose cache writer compacts
 
 
 _CURRENT: TreeStep | None = None
@@ -249,12 +328,21 @@ _CURRENT: TreeStep | None = None
 # ---------------------------------------------------------------------------------------------
 
 
-def _backend_classes():
-    from vllm.v1.attention.backend import AttentionType
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+def _vllm_classes(spec: TreeBackendSpec) -> tuple[type, type]:
+    """vLLM's (backend, impl) classes of ``spec``, imported now (a CUDA module only on CUDA)."""
+    import importlib
 
-    class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
-        """vLLM's CPU attention, then the tree rows of tree requests recomputed with an ancestor mask."""
+    module = importlib.import_module(spec.module)
+    return getattr(module, spec.backend_class), getattr(module, spec.impl_class)
+
+
+def _backend_classes(spec: TreeBackendSpec):
+    from vllm.v1.attention.backend import AttentionType
+
+    base_backend, base_impl = _vllm_classes(spec)
+
+    class TreeAttentionImpl(base_impl):
+        """vLLM's attention, then the tree rows of tree requests recomputed with an ancestor mask."""
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
@@ -266,38 +354,45 @@ def _backend_classes():
                 _recompute_tree_rows(self, step, layer, query, key, value, kv_cache, attn_metadata, output)
             return result
 
-    class TreeCPUAttentionBackend(CPUAttentionBackend):
+    class TreeAttentionBackend(base_backend):
         @staticmethod
         def get_impl_cls():
-            return TreeCPUAttentionImpl
+            return TreeAttentionImpl
 
-    for cls in (TreeCPUAttentionBackend, TreeCPUAttentionImpl):
+    TreeAttentionBackend.__name__ = spec.tree_backend_name
+    TreeAttentionImpl.__name__ = spec.tree_impl_name
+    for cls in (TreeAttentionBackend, TreeAttentionImpl):
         cls.__qualname__ = cls.__name__  # resolvable (and picklable) as module attributes, see __getattr__
-    return TreeCPUAttentionBackend, TreeCPUAttentionImpl
+    return TreeAttentionBackend, TreeAttentionImpl
 
 
-_CLASSES: tuple | None = None
+_CLASSES: dict[str, tuple] = {}  # spec name -> (tree backend, tree impl)
 
 
-def backend_classes() -> tuple:
-    """(TreeCPUAttentionBackend, TreeCPUAttentionImpl), built on first use: importing vLLM's CPU
-    attention while plugins load (early in every vLLM process) is avoided."""
-    global _CLASSES
-    if _CLASSES is None:
-        _CLASSES = _backend_classes()
-    return _CLASSES
+def backend_classes(spec: TreeBackendSpec = CPU_BACKEND) -> tuple:
+    """(TreeXBackend, TreeXImpl) for vLLM's backend ``spec`` (default CPU: TreeCPUAttentionBackend,
+    TreeCPUAttentionImpl), built on first use: importing vLLM's attention while plugins load
+    (early in every vLLM process) is avoided, and a CUDA backend is imported only when used."""
+    if spec.name not in _CLASSES:
+        _CLASSES[spec.name] = _backend_classes(spec)
+    return _CLASSES[spec.name]
 
 
 def __getattr__(name: str):
-    # vLLM's registry resolves BACKEND_PATH with import_module + getattr, which lands here.
-    if name == "TreeCPUAttentionBackend":
-        return backend_classes()[0]
-    if name == "TreeCPUAttentionImpl":
-        return backend_classes()[1]
+    # vLLM's registry resolves backend_path(spec) with import_module + getattr, which lands here.
+    for spec in ALL_BACKENDS:
+        if name == spec.tree_backend_name:
+            return backend_classes(spec)[0]
+        if name == spec.tree_impl_name:
+            return backend_classes(spec)[1]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-BACKEND_PATH = f"{__name__}.TreeCPUAttentionBackend"
+def backend_path(spec: TreeBackendSpec) -> str:
+    return f"{__name__}.{spec.tree_backend_name}"
+
+
+BACKEND_PATH = backend_path(CPU_BACKEND)
 
 
 def _recompute_tree_rows(impl, step: TreeStep, layer, query, key, value, kv_cache, attn_metadata, output) -> None:
@@ -322,20 +417,38 @@ def _recompute_tree_rows(impl, step: TreeStep, layer, query, key, value, kv_cach
     step.saved.append(saved)
 
 
-def register_backend() -> None:
-    """Route ``CPU_ATTN`` to :class:`TreeCPUAttentionBackend` (in a worker, before the model is
-    built); the selector's cache is cleared so that no earlier choice sticks."""
+def register_backend(platform: str | None = None) -> None:
+    """Route this platform's attention backends (:func:`platform_backends`: CPU_ATTN on CPU;
+    FLASH_ATTN, TRITON_ATTN and FLEX_ATTENTION on CUDA) to their tree subclasses (in a worker,
+    before the model is built); the selector's cache is cleared so that no earlier choice sticks."""
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.backends.registry import register_backend as vllm_register_backend
 
-    try:
-        backend_classes()
-    except Exception as exc:
-        raise TreeVerificationUnavailable(f"vLLM's CPU attention backend cannot be subclassed here: {exc!r}") from exc
-    vllm_register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    platform = platform or current_platform_name()
+    specs = platform_backends(platform)
+    if not specs:
+        raise TreeVerificationUnavailable(
+            f"specplugin: tree_drafting.verify = 'tree' refused: no tree attention path for platform {platform!r} "
+            "(CPU, and untested CUDA). Use tree_drafting.verify = 'chain'.")
+    routed = []
+    for spec in specs:
+        try:
+            backend_classes(spec)
+        except Exception as exc:  # noqa: BLE001 - one backend missing does not stop the others
+            log_once("warning", f"specplugin: tree verification: vLLM's {spec.name} backend cannot be subclassed "
+                                f"here ({exc!r}); layers on it will refuse tree mode")
+            continue
+        vllm_register_backend(getattr(AttentionBackendEnum, spec.name), backend_path(spec))
+        routed.append(spec)
+    if not routed:
+        raise TreeVerificationUnavailable(f"no attention backend of platform {platform!r} can be subclassed")
     selector._cached_get_attn_backend.cache_clear()
-    log_once("info", "specplugin: tree verification: CPU_ATTN routed to TreeCPUAttentionBackend")
+    log_once("info", "specplugin: tree verification: " + ", ".join(
+        f"{spec.name} routed to {spec.tree_backend_name}" for spec in routed))
+    if not all(spec.tested for spec in routed):
+        log_once("warning", "specplugin: tree verification on CUDA is UNTESTED (written and unit-tested on CPU "
+                            "tensors only); the start-up layout probe still refuses it if vLLM's cache layout differs")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,6 +506,7 @@ def tree_rows(runner, req_ids: Sequence[str]) -> tuple[bool, ...]:
 class _RunnerState:
     layout: str
     fault: str | None
+    backend: TreeBackendSpec = CPU_BACKEND
     chain_fallbacks: int = 0
     walk_failures: int = 0
 
@@ -446,7 +560,7 @@ def _tree_prepare_inputs(original):
                         depths = torch.tensor(tree_depths(entry.parents), dtype=self.positions.dtype)
                         self.positions[start: start + entry.num_nodes] = self.positions[start] + depths.to(
                             self.positions.device)
-                _CURRENT = TreeStep(entries, state.layout, state.fault)
+                _CURRENT = TreeStep(entries, state.layout, state.fault, backend=state.backend)
         return result
 
     return _prepare_inputs
@@ -582,21 +696,24 @@ def drafted_rows(runner, entry: TreeEntry) -> torch.Tensor:
     return draft_probs_from_tree(drafted_tree(runner, entry))[: entry.num_nodes]
 
 
+def vllm_cache_writer(spec: TreeBackendSpec):
+    """vLLM's own cache writer of ``spec``'s backend: ``do_kv_cache_update(impl, layer, key, value,
+    kv_cache, slot_mapping)`` of its impl class (the tree impls inherit it unchanged)."""
+    return _vllm_classes(spec)[1].do_kv_cache_update
+
+
 def _compact(step: TreeStep, index: int, accepted: list[int]) -> None:
     """Rewrite the accepted nodes' K/V into the slots of rows 1..k with vLLM's own cache writer."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
     moves = compaction_moves(accepted)
     if not moves:
         return
-    sources = torch.tensor([s for s, _ in moves])
-    destinations = torch.tensor([d for _, d in moves])
+    writer = vllm_cache_writer(step.backend)
     for saved in step.saved:
-        slots = saved.slots[index][destinations]
-        CPUAttentionBackendImpl.do_kv_cache_update(
-            saved.impl, saved.layer, saved.keys[index][sources].contiguous(),
-            saved.values[index][sources].contiguous(), saved.kv_cache, slots,
-        )
+        device = saved.keys[index].device
+        sources = torch.tensor([s for s, _ in moves], device=device)
+        destinations = torch.tensor([d for _, d in moves], device=saved.slots[index].device)
+        writer(saved.impl, saved.layer, saved.keys[index][sources].contiguous(),
+               saved.values[index][sources].contiguous(), saved.kv_cache, saved.slots[index][destinations])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -604,11 +721,12 @@ def _compact(step: TreeStep, index: int, accepted: list[int]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def probe_layout(impl, layer, kv_cache: torch.Tensor, fault: str | None = None) -> str | None:
-    """Write known K/V with the backend's own writer into a scratch cache shaped like ``kv_cache``
-    (2 blocks) and read them back; the first layout in :data:`LAYOUTS` that matches exactly, or None."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
+def probe_layout(impl, layer, kv_cache: torch.Tensor, fault: str | None = None,
+                 backend: TreeBackendSpec = CPU_BACKEND, writer=None) -> str | None:
+    """Write known K/V with the backend's own writer (``writer``, default :func:`vllm_cache_writer`)
+    into a scratch cache shaped like ``kv_cache`` (2 blocks, same dtype and device) and read them
+    back; the first of the backend's layouts that matches exactly, or None."""
+    writer = writer or vllm_cache_writer(backend)
     _, heads, block, two_d = kv_cache.shape
     dim = two_d // 2
     scratch = torch.zeros(2, heads, block, two_d, dtype=kv_cache.dtype, device=kv_cache.device)
@@ -616,10 +734,11 @@ def probe_layout(impl, layer, kv_cache: torch.Tensor, fault: str | None = None) 
     generator = torch.Generator().manual_seed(0)
     key = torch.randn(num_tokens, heads, dim, generator=generator).to(kv_cache.dtype)
     value = torch.randn(num_tokens, heads, dim, generator=generator).to(kv_cache.dtype)
-    slots = torch.arange(num_tokens, dtype=torch.int64)
-    CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, key, value, scratch, slots)
+    key, value = key.to(kv_cache.device), value.to(kv_cache.device)
+    slots = torch.arange(num_tokens, dtype=torch.int64, device=kv_cache.device)
+    writer(impl, layer, key, value, scratch, slots)
     blocks = torch.tensor([0, 1])
-    for layout in ([_BOGUS_LAYOUT] if fault == "probe_layout" else LAYOUTS):
+    for layout in ([_BOGUS_LAYOUT] if fault == "probe_layout" else backend.layouts):
         k, v = read_paged_kv(scratch, blocks, num_tokens, layout)
         if torch.equal(k, key) and torch.equal(v, value):
             return layout
@@ -656,16 +775,31 @@ def check_runner(runner) -> _RunnerState:
               if isinstance(module, Attention)}
     if not layers:
         problems.append("no attention layers found")
-    layout = None
+    platform = current_platform_name()
+    if platform != "cpu":
+        mode = getattr(runner.compilation_config, "cudagraph_mode", None)
+        if mode is not None and mode.has_full_cudagraphs():
+            # A captured full graph replays vLLM's attention kernel without the tree recompute.
+            problems.append(f"CUDA graph mode {mode.name} captures attention (use enforce_eager or "
+                            "compilation_config.cudagraph_mode = PIECEWISE / NONE)")
+    layout, backend = None, None
     for name, layer in layers.items():
         impl = layer.impl
-        if not isinstance(impl, backend_classes()[1]):
-            problems.append(f"layer {name} uses {type(impl).__name__}, not the tree CPU attention")
+        spec = backend_spec_of(impl)
+        if spec is None or spec not in platform_backends(platform):
+            problems.append(f"layer {name} uses {type(impl).__name__}, not a tree attention of this platform "
+                            f"({', '.join(s.tree_impl_name for s in platform_backends(platform)) or 'none'})")
             break
+        if backend not in (None, spec):
+            problems.append(f"layers use two attention backends ({backend.name}, {spec.name})")
+            break
+        backend = spec
         unsupported = [what for what, bad in (
-            ("sliding window", impl.sliding_window != -1), ("ALiBi", impl.alibi_slopes is not None),
-            ("logit soft cap", bool(impl.logits_soft_cap)), ("attention sinks", impl.sinks is not None),
-            ("KV sharing", impl.kv_sharing_target_layer_name is not None),
+            ("sliding window", getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1))),
+            ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
+            ("logit soft cap", bool(getattr(impl, "logits_soft_cap", None))),
+            ("attention sinks", getattr(impl, "sinks", None) is not None),
+            ("KV sharing", getattr(impl, "kv_sharing_target_layer_name", None) is not None),
         ) if bad]
         if unsupported:
             problems.append(f"layer {name} uses {', '.join(unsupported)}")
@@ -676,7 +810,7 @@ def check_runner(runner) -> _RunnerState:
             problems.append(f"layer {name}: KV cache is not a [num_blocks, H_kv, B, 2D] tensor")
             break
         if layout is None:
-            layout = probe_layout(impl, layer, kv_cache, fault)
+            layout = probe_layout(impl, layer, kv_cache, fault, backend=spec)
             if layout is None:
                 problems.append(
                     f"the KV cache layout probe failed (ISA {getattr(layer, 'isa', '?')}, dtype {kv_cache.dtype}): "
@@ -692,4 +826,4 @@ def check_runner(runner) -> _RunnerState:
             "specplugin: tree_drafting.verify = 'tree' refused: " + "; ".join(problems)
             + ". Use tree_drafting.verify = 'chain' (the default) on this engine."
         )
-    return _RunnerState(layout=layout, fault=fault)
+    return _RunnerState(layout=layout, fault=fault, backend=backend)

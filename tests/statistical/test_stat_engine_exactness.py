@@ -29,6 +29,8 @@ N, m and prompts give the df of the combined test), at ALPHA = 0.01 / 35 = 2.9e-
   ``verification.algorithm.speculative_token_law`` at the engine's contexts, with the draft's q
   computed from the draft checkpoint) is >= 0.99 (computed: 0.999986 for (c), 1 to double
   precision for the others);
+* tree fault (k): the power at its exact law on the engine's sampled trees, averaged over the
+  draws (``sampled_tree_walk_law``), is 0.996 (df 244-253, noncentrality 171-175, N = 2000);
 * tree faults (h) and (i): the power at the fault's exact law on the engine's trees
   (``tree_walk_law``: the trees the tree proposer drafts from the draft checkpoints, each walked
   by ``tree_verify.emission_distribution`` with the fault, by exact enumeration) is 1 to double
@@ -51,11 +53,15 @@ chains), and that refusal stays. Faults (h) and (i) run the same engine with the
 not updated after a rejected sibling, (i) the i.i.d. rule min(1, p/q), max(p - q, 0) applied to
 the top-k tree. Under either the engine drafts top-k trees at T > 0 too (walked with the one-hot
 rule but for the fault), where their exact law is computable; at T = 1 both act on every walk that
-rejects a child. The without-replacement walk's own wrong variant (q not renormalised,
-``SPECPLUGIN_TREE_FAULT=q_not_updated``) is NOT caught here: with a draft this close to the target
-the second sibling is rejected under either rule almost always (the residual max(p - q, 0) holds
-little of its mass), so the honest case with it injected still passed (p 0.031, 0.60, 0.38 at
-T = 0.7, 1.0, 1.3, against 0.025, 0.59, 0.41 without). No case here breaks the sampled trees' walk.
+rejects a child. Fault (k) breaks the sampled trees' own walk (without replacement, q not
+renormalised without the rejected siblings, ``SPECPLUGIN_TREE_FAULT=q_not_updated``). With the
+honest case's drafts it is invisible: its exact law (``sampled_tree_walk_law``, averaged over the
+draws) moves < 2e-3 of the first verified token's mass (the residual max(p - q, 0) sits where q is
+small, where both rules accept), and the honest case with it injected passed (p 0.031, 0.60, 0.38
+at T = 0.7, 1.0, 1.3). So (k) runs the same 6-node sampled trees with an overconfident draft
+(``sharp_draft``: the target's weights, LM-head scale 25 against 15) at T = 1, top-k 50, top-p 1:
+TV 0.016-0.11 at the first tokens, power 0.996 at N = 2000 (df 244-253, noncentrality 171-175),
+computed before the run.
 
 Determinism (measured over two or three runs of each test): plain decoding and every plugin proposer
 case (repeat, ensemble with the shim on and off, strategies; drafts from per-request generators
@@ -118,12 +124,13 @@ SUITE = {
     "honest_tree_verification": len(TREE_TEMPERATURES),
     "fault_h_tree_residual_not_updated": 1,
     "fault_i_tree_iid_on_topk": 1,
-    "honest_block_draft_model": len(BLOCK_TEMPERATURES),
+    "fault_k_tree_q_not_updated": 1,
     "honest_medusa": len(MEDUSA_TEMPERATURES),
     "fault_j_medusa_expand_bug": 1,
+    "honest_block_draft_model": len(BLOCK_TEMPERATURES),
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 44
+SUITE_HYPOTHESES = sum(SUITE.values())  # 45
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -459,7 +466,8 @@ def test_tree_verification_is_exact(peaked_target, peaked_draft, unrelated_draft
     shows the walk acts on these requests. ``SPECPLUGIN_TREE_FAULT`` is passed through from the
     environment (as in tests/engine/test_tree_verification.py): ``residual_not_updated`` (top-k
     trees at T > 0 then) makes this test fail at every T > 0; ``q_not_updated`` (the sampled trees'
-    walk) is too weak here to do so (see the module docstring)."""
+    walk) is too weak with these drafts to do so, and is caught by (k) with an overconfident draft
+    (see the module docstring)."""
     report = run_honest(
         "honest_tree_verification", peaked_target, [sampling(t) for t in TREE_TEMPERATURES], reference,
         speculative_config=TREE_PROPOSER, additional_config=tree_config([peaked_draft, unrelated_draft]),
@@ -569,6 +577,157 @@ def test_catches_tree_walk_fault(peaked_target, peaked_draft, unrelated_draft, r
     letter = {"residual_not_updated": "h", "iid_on_topk": "i"}[fault]
     report = check(f"fault_{letter}_tree_{fault}", peaked_target, [config], reference, fault=True,
                    speculative_config=TREE_PROPOSER, additional_config=tree_config([peaked_draft, unrelated_draft]))
+    assert_caught(report)
+
+
+# (k) The without-replacement walk's own wrong variant: q not renormalised without the rejected
+# siblings. With drafts close to the target (the honest case's) it moves < 1e-3 of the mass of the
+# first verified token (exact law below; the honest case with it injected passed), so it is caught
+# with an overconfident draft: peaked_target's weights with LM-head scale 25 (the target's 15),
+# whose first child is rejected often (sum min(p, q) 0.65-0.8 at T = 1) and whose renormalised q
+# differs most from q. Top-k 50 without top-p: every q has >= 2 tokens, so the sampled tree's shape
+# (children per node) is the same at every context, which the exact law needs.
+SHARP_LOGIT_SCALE = 25.0
+
+
+@pytest.fixture(scope="module")
+def sharp_draft(tmp_path_factory) -> str:
+    """peaked_target's weights with LM-head scale 25 (1.67x): a draft sharper than the target."""
+    from vllm_specplugin.models.random_llama import make_random_llama
+
+    return str(make_random_llama(tmp_path_factory.mktemp("models") / "sharp-draft", logit_scale=SHARP_LOGIT_SCALE,
+                                 seed=0))
+
+
+def sampled_tree_children(tree_drafting: dict) -> list[list[int]]:
+    """Children per node of the trees TreeProposer draws at T > 0 (``build_sampled_tree``) with these
+    settings, when every node's q has at least ``branching`` tokens (its shape then does not depend
+    on the draws: how many children each node gets is fixed before the draws of its depth)."""
+    import torch
+
+    from vllm_specplugin.proposers.tree import build_sampled_tree
+    from vllm_specplugin.proposers.tree_verify import tree_children
+
+    budget, branching = tree_drafting["node_budget"], tree_drafting["branching"]
+    depth = tree_drafting.get("max_depth") or -(-budget // branching)
+    uniform = torch.full((64,), 1.0 / 64)
+    tree = build_sampled_tree(uniform, lambda paths: uniform.expand(len(paths), -1), budget, depth, branching,
+                              torch.Generator().manual_seed(0))
+    return tree_children(tree.parents)
+
+
+def sampled_tree_walk_law(drafts: list[TargetReference], config: SamplingConfig, fault: str | None,
+                          tree_drafting: dict = TREE_DRAFTING):
+    """``law_for_prompt`` (``check.plan_power``): the exact law of what the engine emits with sampled
+    trees (children drawn without replacement from the drafts' equal-weight mixture, processed with
+    the request's T, top-k and top-p) walked by recursive rejection sampling (``fault``: None or
+    ``"q_not_updated"``), averaged over the draws (``tree_verify.drawn_children_law``).
+
+    Token 1 is vLLM's prefill sample (the target). After it the walk is a chain of states (tree
+    node, context): a node emits its next token y through child i (then the walk is at that child,
+    context + y) or through its residual (a new step: the root of a new tree at context + y). The
+    law after a prefix is the mixture of its states' next-token laws, weighted by how likely each
+    state emitted the prefix."""
+    import torch
+
+    from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs_rows
+    from vllm_specplugin.proposers.tree_verify import drawn_children_law
+
+    children = sampled_tree_children(tree_drafting)
+    params = SamplingParams(config.temperature, config.top_k, config.top_p)
+
+    def law_for_prompt(prompt, target):
+        q_cache: dict[tuple, np.ndarray] = {}
+        node_laws: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        state_cache: dict[tuple, list[tuple[float, int]]] = {}
+
+        def fetch(contexts: list[tuple]) -> None:
+            """Target and draft rows of these contexts, in batches (the walks need them one by one)."""
+            missing = [c for c in dict.fromkeys(contexts) if c not in q_cache]
+            if missing:
+                target(missing)
+                # As the plugin: the mixture of the drafts' softmax (float32), processed.
+                mixture = torch.stack([torch.from_numpy(d.next_logits(prompt, missing)).softmax(-1)
+                                       for d in drafts]).mean(0)
+                rows = processed_probs_rows(mixture.log(), [params] * len(missing))
+                rows = rows.double().numpy()
+                q_cache.update(zip(missing, rows / rows.sum(-1, keepdims=True)))
+
+        def node_law(node: int, context: tuple):
+            """(accepted [k, V], residual [V]) of tree node ``node`` reached at ``context``."""
+            key = (node, context)
+            if key not in node_laws:
+                p = target([context])[0]
+                if not children[node]:
+                    node_laws[key] = (np.zeros((0, len(p))), p)
+                else:
+                    q = q_cache[context]
+                    assert np.count_nonzero(q) >= len(children[node]), "the tree's shape would change here"
+                    node_laws[key] = drawn_children_law(p, q, len(children[node]), fault)
+            return node_laws[key]
+
+        def states(prefix: tuple) -> list[tuple[float, int]]:
+            """(weight, node) of the walk's states after emitting ``prefix`` (context = prefix)."""
+            if prefix not in state_cache:
+                if len(prefix) == 1:
+                    state_cache[prefix] = [(1.0, 0)]  # the prefill token, then a new tree
+                else:
+                    *_, y = prefix
+                    out: dict[int, float] = {}
+                    for weight, node in states(prefix[:-1]):
+                        accepted, residual = node_law(node, prefix[:-1])
+                        for child, row in zip(children[node], accepted):
+                            out[child] = out.get(child, 0.0) + weight * row[y]
+                        out[0] = out.get(0, 0.0) + weight * residual[y]
+                    state_cache[prefix] = [(w, n) for n, w in out.items() if w > 0]
+            return state_cache[prefix]
+
+        cache: dict[tuple, np.ndarray] = {}
+
+        def law(prefixes):
+            missing = [s for s in dict.fromkeys(prefixes) if s and s not in cache]
+            fetch(list(dict.fromkeys(s[:i] for s in missing for i in range(1, len(s) + 1))))
+            for s in missing:
+                row = sum(w * (a.sum(0) + r) for w, (a, r) in ((w, node_law(n, s)) for w, n in states(s)))
+                cache[s] = row / row.sum()
+            return np.stack([target([()])[0] if not s else cache[s] for s in prefixes])
+
+        return law
+
+    return law_for_prompt
+
+
+Q_FAULT_SAMPLING = dict(temperature=1.0, top_k=50, top_p=1.0)
+
+
+def q_fault_config(sharp_draft: str) -> dict:
+    return tree_config([sharp_draft])
+
+
+def test_catches_tree_q_not_updated(peaked_target, sharp_draft, reference, monkeypatch):
+    """(k) Without replacement, after a rejected sibling the walk keeps the original q for the next
+    sibling's ratio and residual (min(1, p/q), max(p - q, 0): the i.i.d. rule on children drawn
+    without replacement) instead of q renormalised without the rejected tokens. Sampled trees (the
+    honest tree case's shape: 6 nodes, branching 2, depth 3, the root and its first child with two
+    drawn children) from the overconfident sharp draft, at T = 1, top-k 50. Power at the fault's
+    exact law, averaged over the draws, before the run."""
+    config = sampling(n=N_FAULT, **Q_FAULT_SAMPLING)
+    drafts = [TargetReference(sharp_draft)]
+    # The law machinery is exact without the fault: the honest walk's law is the target's.
+    target = target_law(reference, PROMPTS[0], config.temperature, config.top_k, config.top_p)
+    honest = sampled_tree_walk_law(drafts, config, None)(PROMPTS[0], target)
+    t1 = int(np.argmax(target([()])[0]))
+    t2 = int(np.argmax(target([(t1,)])[0]))
+    prefixes = [(t1,), (t1, t2), (t1, int(np.argsort(target([(t1,)])[0])[-2]))]
+    np.testing.assert_allclose(honest(prefixes), target(prefixes), atol=1e-9)
+    plan = plan_power(reference, PROMPTS, config, alpha=ALPHA, reps=2,
+                      law_for_prompt=sampled_tree_walk_law(drafts, config, "q_not_updated"))
+    print(f"\ntree q_not_updated: power at its exact effect {plan.power:.6f} (df {plan.df}, noncentrality "
+          f"{[round(x) for x in plan.noncentrality]}, P(impossible token) {plan.impossible_probability})")
+    assert plan.power >= POWER
+    monkeypatch.setenv(TREE_FAULT_ENV, "q_not_updated")
+    report = check("fault_k_tree_q_not_updated", peaked_target, [config], reference, fault=True,
+                   speculative_config=TREE_PROPOSER, additional_config=q_fault_config(sharp_draft))
     assert_caught(report)
 
 
