@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup test test-fast demo demo-repair models heads bench bench-compare bench-history soak clean
+.PHONY: setup test test-fast test-extended demo demo-repair models heads bench bench-compare bench-history soak clean
 
 setup:
 	@bash ci/setup_venv.sh
@@ -12,6 +12,11 @@ test: setup
 
 test-fast: setup
 	@bash ci/test.sh -m "not engine and not server and not statistical"
+
+# The slow checks kept out of `make test` (tensor parallelism, seeded reproducibility under load,
+# lossy classes on a live server, vLLM-CPU refusing synthetic acceptance): about 20 minutes.
+test-extended: setup
+	@bash ci/test.sh -m extended
 
 demo: setup
 	@source ci/env.sh && $(PY) -m vllm_specplugin.throughput.demo

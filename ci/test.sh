@@ -6,10 +6,12 @@ cd "$(dirname "$0")/.."
 source ci/env.sh
 PY=.venv/bin/python
 start=$(date +%s)
+# Without arguments (make test): everything but the extended tier (make test-extended).
+if [ "$#" -eq 0 ]; then set -- -m "not extended"; default_run=1; else default_run=0; fi
 $PY -m pytest tests -q -p no:cacheprovider --benchmark-disable --ignore=tests/benchmarks --timeout=1800 \
   --durations=15 "$@"
 rc=$?
-if [ "$rc" -eq 0 ] && [ -z "${SPECPLUGIN_SKIP_BENCH:-}" ] && [ "$#" -eq 0 ]; then
+if [ "$rc" -eq 0 ] && [ -z "${SPECPLUGIN_SKIP_BENCH:-}" ] && [ "$default_run" -eq 1 ]; then
   # The short benchmark tier: records throughput (runs/benchmarks/ci-short.json); it fails only
   # when a benchmark itself fails (a server error, lost tokens), never on time.
   mkdir -p runs/benchmarks

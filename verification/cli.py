@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
             "speculative decoding) and test, at every visited prefix, the next-token counts "
             "against the target's exact processed distribution computed with transformers."
         ),
-        epilog=__doc__.split("\n", 2)[2],
+        epilog=__doc__.split("\n", 2)[2] + "\nSubcommand: lossy-sweep (see `... lossy-sweep --help`): what each "
+               "opt-in lossy acceptance setting costs (TV, log-likelihood, speed).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, help="target checkpoint directory (local)")
@@ -63,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lossy-sweep"]:  # the lossy acceptance modes' trade-off (verification/lossy.py)
+        from vllm_specplugin.verification import lossy
+
+        return lossy.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.tokens < 1 or args.samples < 1 or args.greedy_tokens < 1 or args.greedy_prompts < 1:
         sys.exit("--tokens, --samples, --greedy-tokens and --greedy-prompts must be >= 1")
@@ -90,17 +96,23 @@ def main(argv: list[str] | None = None) -> None:
         additional_config=args.additional_config, alpha=args.alpha, delta=args.delta,
         method=args.method, max_model_len=args.max_model_len, driver=args.driver,
     )
-    print(report.format_table())
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            f.write(report.to_json())
-        print(f"report written to {args.json_path}")
-    if args.plot_path:
-        from vllm_specplugin.verification.plots import plot_report
+    from vllm_specplugin.verification.plots import plot_report
 
-        plot_report(report, {c.name: list(c.node_pvalues) for c in report.cases}, args.plot_path)
-        print(f"plot written to {args.plot_path}")
+    publish(report, args.json_path, args.plot_path,
+            lambda path: plot_report(report, {c.name: list(c.node_pvalues) for c in report.cases}, path))
     sys.exit(0 if report.passed else 1)
+
+
+def publish(report, json_path: str | None, plot_path: str | None, plot) -> None:
+    """Print a report's table, write its JSON and its PNG (``plot(path)``) where asked."""
+    print(report.format_table())
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(report.to_json())
+        print(f"report written to {json_path}")
+    if plot_path:
+        plot(plot_path)
+        print(f"plot written to {plot_path}")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ def _sampling_params(cls, sp: dict, prompt_index: int):
         # ignore_eos alone: min_tokens would mask EOS and change the distribution.
         ignore_eos=True,
         seed=request_seed(sp.get("seed"), prompt_index, 0, sp["n"]),
+        # per-request extra arguments (vllm_xargs), e.g. the lossy acceptance modes' specplugin_* keys
+        extra_args=dict(sp["extra_args"]) if sp.get("extra_args") else None,
     )
 
 

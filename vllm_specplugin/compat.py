@@ -51,10 +51,45 @@ def check_vllm_internals() -> list[str]:
     _check_shutdown_internals(need)
     _check_generator_repair_internals(need)
     _check_draft_free_internals(need)
-    _check_rejection_methods_internals(need)
+    _check_lossy_acceptance_internals(need)
     _check_tensor_parallel_internals(need)
     _check_carried_q_internals(need)
+    _check_rejection_methods_internals(need)
     return problems
+
+
+def _check_lossy_acceptance_internals(need) -> None:
+    """vllm_specplugin.lossy_acceptance: what it wraps (request validation, _sample, rejection_sample) and
+    the shapes it reads and rewrites."""
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    validate = inspect.unwrap(InputProcessor._validate_params)
+    need(list(inspect.signature(validate).parameters)[:2] == ["self", "params"],
+         "InputProcessor._validate_params(self, params, ...)")
+    need("self._validate_params(params" in inspect.getsource(InputProcessor.process_inputs),
+         "InputProcessor.process_inputs validates each request's params through self._validate_params")
+    need("self.vllm_config = vllm_config" in inspect.getsource(InputProcessor.__init__), "InputProcessor.vllm_config")
+    need(list(inspect.signature(inspect.unwrap(rejection_sampler.rejection_sample)).parameters)[:8] == [
+        "draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs",
+        "target_logits", "bonus_token_ids", "sampling_metadata"],
+        "rejection_sampler.rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, "
+        "draft_probs, target_logits, bonus_token_ids, sampling_metadata, ...)")
+    forward = inspect.getsource(rejection_sampler.RejectionSampler.forward)
+    need("output_token_ids = rejection_sample(" in forward, "RejectionSampler.forward calls the module-level rejection_sample")
+    need(forward.find("apply_sampling_constraints(") < forward.find("output_token_ids = rejection_sample("),
+         "rejection_sample receives target logits already processed (temperature, top-k, top-p)")
+    body = inspect.getsource(inspect.unwrap(rejection_sampler.rejection_sample))
+    need("(batch_size, max_spec_len + 1)" in body and "PLACEHOLDER_TOKEN_ID" in body,
+         "rejection_sample returns [batch, max_spec_len + 1] int32 padded with PLACEHOLDER_TOKEN_ID (-1)")
+    need({"temperature", "generators", "all_greedy"} <= {f.name for f in __import__("dataclasses").fields(SamplingMetadata)},
+         "SamplingMetadata.temperature / generators / all_greedy")
+    need("self.rejection_sampler(" in inspect.getsource(inspect.unwrap(GPUModelRunner._sample)),
+         "GPUModelRunner._sample calls the rejection sampler (the per-row settings are set around it)")
+    need("self.requests: dict[str, CachedRequestState]" in inspect.getsource(GPUModelRunner.__init__),
+         "GPUModelRunner.requests (request id -> state with sampling_params.extra_args)")
 
 
 def _check_draft_free_internals(need) -> None:
@@ -324,30 +359,6 @@ def _check_runner_shim_internals(need) -> None:
          "SchedulerConfig.max_num_seqs (sizes the q buffer)")
 
 
-def _check_rejection_methods_internals(need) -> None:
-    """vllm_specplugin.rejection_methods: block verification exists only in Model Runner V2, V2 does
-    not run custom_class proposers, and V1's rejection sampler has no block path (why the plugin
-    refuses "block"); V1 keeps draft probabilities only for "standard"."""
-    from vllm.config import VllmConfig
-    from vllm.config.speculative import SpeculativeConfig
-    from vllm.v1.sample import rejection_sampler as v1_sampler
-    from vllm.v1.spec_decode import llm_base_proposer
-    from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2_sampler
-
-    methods = getattr(SpeculativeConfig.__dataclass_fields__.get("rejection_sample_method"), "type", "")
-    need(all(m in str(methods) for m in ("standard", "block", "synthetic")),
-         f"SpeculativeConfig.rejection_sample_method: standard | block | synthetic, got {methods}")
-    need(isinstance(getattr(VllmConfig, "use_v2_model_runner", None), property), "VllmConfig.use_v2_model_runner")
-    unsupported = inspect.getsource(VllmConfig._get_v2_model_runner_unsupported_features)
-    need('"custom_class"' in unsupported, "Model Runner V2 does not run custom_class proposers (V1 is used)")
-    need('"block"' not in inspect.getsource(v1_sampler),
-         "the V1 rejection sampler has no block verification (a block path there would make the refusal stale)")
-    need('rejection_sample_method == "block"' in inspect.getsource(v2_sampler),
-         "Model Runner V2's RejectionSampler implements rejection_sample_method == 'block'")
-    need('rejection_sample_method == "standard"' in inspect.getsource(llm_base_proposer),
-         "V1 draft_model/EAGLE keep draft probabilities only for rejection_sample_method == 'standard'")
-
-
 def _check_tensor_parallel_internals(need) -> None:
     """vllm_specplugin.tensor_parallel: every TP rank samples itself and verifies the output rank's
     drafts against its own q; the agreement all-gathers over the TP group's CPU group."""
@@ -376,6 +387,30 @@ def _check_tensor_parallel_internals(need) -> None:
          "InputBatch.num_tokens_no_spec / token_ids_cpu / req_ids / num_reqs (hashed per row by the TP agreement)")
 
 
+def _check_rejection_methods_internals(need) -> None:
+    """vllm_specplugin.rejection_methods: block verification exists only in Model Runner V2, V2 does
+    not run custom_class proposers, and V1's rejection sampler has no block path (why the plugin
+    refuses "block"); V1 keeps draft probabilities only for "standard"."""
+    from vllm.config import VllmConfig
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.v1.sample import rejection_sampler as v1_sampler
+    from vllm.v1.spec_decode import llm_base_proposer
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler as v2_sampler
+
+    methods = getattr(SpeculativeConfig.__dataclass_fields__.get("rejection_sample_method"), "type", "")
+    need(all(m in str(methods) for m in ("standard", "block", "synthetic")),
+         f"SpeculativeConfig.rejection_sample_method: standard | block | synthetic, got {methods}")
+    need(isinstance(getattr(VllmConfig, "use_v2_model_runner", None), property), "VllmConfig.use_v2_model_runner")
+    unsupported = inspect.getsource(VllmConfig._get_v2_model_runner_unsupported_features)
+    need('"custom_class"' in unsupported, "Model Runner V2 does not run custom_class proposers (V1 is used)")
+    need('"block"' not in inspect.getsource(v1_sampler),
+         "the V1 rejection sampler has no block verification (a block path there would make the refusal stale)")
+    need('rejection_sample_method == "block"' in inspect.getsource(v2_sampler),
+         "Model Runner V2's RejectionSampler implements rejection_sample_method == 'block'")
+    need('rejection_sample_method == "standard"' in inspect.getsource(llm_base_proposer),
+         "V1 draft_model/EAGLE keep draft probabilities only for rejection_sample_method == 'standard'")
+
+
 def _check_carried_q_internals(need) -> None:
     """runner_shim._carried_q: the scheduler keeps the drafts of a running request it skips for a step
     (it clears them only when it schedules the request), and the runner looks q up by request id in
@@ -396,3 +431,4 @@ def _check_carried_q_internals(need) -> None:
     need("draft_token_ids" in fields and "num_draft_tokens" in fields,
          "SpecDecodeMetadata.draft_token_ids ([total drafts], batch order) and num_draft_tokens (per row); "
          "runner_shim._one_hot_only_where_q_is_missing rebuilds the lookup from them")
+

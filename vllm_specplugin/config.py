@@ -72,13 +72,24 @@ class SpecPluginConfig:
     # ("chain" | "tree"; "chain"). chain: the path with the highest expected accepted
     # length is verified as a chain by vLLM. tree: the whole tree (up to node_budget nodes, capped
     # by num_speculative_tokens) is verified losslessly inside vLLM (vllm_specplugin/
-    # tree_verification.py; vLLM 0.32 CPU attention only); requests that need chain-only
+    # tree_verification.py; vLLM 0.32, CPU attention tested, CUDA backends written but untested); requests that need chain-only
     # features (penalties, bad words, min_tokens, structured output, logprobs, ...) are still
     # verified as a chain.
     tree_drafting: dict | None = None
     # Share draft KV across requests with a common token prefix (a radix tree of token blocks).
     prefix_sharing: bool = False
     prefix_block_size: int = 16
+    # Acceptance rule of the rejection sampler (vllm_specplugin/lossy_acceptance.py): null for exact,
+    # or an object with mode ("exact" | "lenient" | "typical"; the last two are LOSSY), lenience
+    # (l in (0, 1]), epsilon and delta (typical, in [0, 1]) and per_request (true: requests may set
+    # their own through extra_args / vllm_xargs).
+    acceptance: dict | None = None
+
+    def acceptance_setting(self):
+        """The validated server-wide acceptance rule (``lossy_acceptance.ServerAcceptance``)."""
+        from vllm_specplugin.lossy_acceptance import ServerAcceptance, parse_server
+
+        return ServerAcceptance() if self.acceptance is None else parse_server(self.acceptance)
 
     @property
     def tree_verify(self) -> str:
@@ -153,6 +164,12 @@ class SpecPluginConfig:
                 )
         if "prefix_block_size" in raw:
             values["prefix_block_size"] = _positive_int(raw, "prefix_block_size")
+        if raw.get("acceptance") is not None:
+            from vllm_specplugin.lossy_acceptance import parse_server
+
+            parse_server(raw["acceptance"])  # raises SpecPluginConfigError naming the field
+            values["acceptance"] = dict(raw["acceptance"]) if isinstance(raw["acceptance"], Mapping) else {
+                "mode": raw["acceptance"]}
         for field in ("adapt_draft_weights", "runner_shim", "prefix_sharing"):
             if field in raw:
                 values[field] = _bool(raw, field)

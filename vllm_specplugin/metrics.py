@@ -47,11 +47,13 @@ def prepare_metrics_dir() -> None:
 class MetricsPublisher:
     """In the worker: write snapshots for the front end and log a summary now and then."""
 
-    def __init__(self, metrics: DraftMetrics, label: str):
+    def __init__(self, metrics: DraftMetrics, label: str, prefix: str = "worker"):
+        # prefix: the snapshot file's (worker-PID.json for the proposer's DraftMetrics; "lossy" for
+        # lossy_acceptance.LossyCounters, which has snapshot(), verify_steps and summary() too)
         self.metrics = metrics
         self.label = label
         directory = os.environ.get(METRICS_DIR_ENV)
-        self.path = os.path.join(directory, f"worker-{os.getpid()}.json") if directory and os.path.isdir(directory) else None
+        self.path = os.path.join(directory, f"{prefix}-{os.getpid()}.json") if directory and os.path.isdir(directory) else None
         self._last_log = time.monotonic()
         self._last_written: dict | None = None  # the last snapshot written, without its time
         self.flush_failures = 0
@@ -104,12 +106,12 @@ class MetricsPublisher:
             logger.exception("specplugin: writing the final metrics snapshot failed")
 
 
-def read_snapshots(directory: str | None = None) -> list[dict]:
+def read_snapshots(directory: str | None = None, prefix: str = "worker") -> list[dict]:
     directory = directory or os.environ.get(METRICS_DIR_ENV)
     if not directory:
         return []
     snapshots = []
-    for path in sorted(glob.glob(os.path.join(directory, "worker-*.json"))):
+    for path in sorted(glob.glob(os.path.join(directory, f"{prefix}-*.json"))):
         try:
             with open(path) as f:
                 snapshots.append(json.load(f))
@@ -214,3 +216,24 @@ class SnapshotCollector:
         yield agreement
         yield verified
         yield weight
+        yield from _lossy_families(read_snapshots(prefix="lossy"))
+
+
+def _lossy_families(snapshots: list[dict]):
+    """Tokens verified under an opt-in LOSSY acceptance mode (lossy_acceptance.py), by mode."""
+    from prometheus_client.core import CounterMetricFamily
+
+    for key, name, doc in [
+        ("drafted", "lossy_drafted_tokens", "Draft tokens verified under a lossy acceptance mode."),
+        ("accepted", "lossy_accepted_tokens", "Draft tokens accepted under a lossy acceptance mode."),
+        ("lossy_only", "lossy_only_accepted_tokens",
+         "Draft tokens accepted under a lossy mode that the exact rule, with the same uniform, would have rejected."),
+    ]:
+        family = CounterMetricFamily(f"specplugin:{name}", doc, labels=["mode"])
+        totals: dict[str, int] = {}
+        for s in snapshots:
+            for mode, row in s.get("lossy", {}).items():
+                totals[mode] = totals.get(mode, 0) + int(row.get(key, 0))
+        for mode, count in sorted(totals.items()):
+            family.add_metric([mode], count)
+        yield family

@@ -37,6 +37,9 @@ def install() -> None:
     tree_verification.install()
     draft_free_steps.install()  # after the tree wrapper: it sees the step's final metadata
     shutdown_repair.apply()  # SIGTERM under load: in-flight requests end with an error, no hang
+    from vllm_specplugin import lossy_acceptance
+
+    lossy_acceptance.install()  # opt-in lossy acceptance modes (per request or server-wide); exact rows untouched
 
 
 def wrap_once(owner, name: str, make_wrapper, mark: str = _MARK) -> None:
@@ -82,6 +85,9 @@ def _check_against_engine(config: SpecPluginConfig, vllm_config) -> None:
             "adaptive_gamma.gamma_min",
             f"is {policy.gamma_min}, above num_speculative_tokens = {spec.num_speculative_tokens} (the largest gamma)",
         )
+    from vllm_specplugin import lossy_acceptance
+
+    lossy_acceptance.check_engine(config, vllm_config)  # a server-wide lossy mode: possible here? (warns)
     from vllm_specplugin import rejection_methods
 
     rejection_methods.check_engine(vllm_config)  # "block" refused for the plugin's proposers, warnings

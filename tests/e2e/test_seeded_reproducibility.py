@@ -26,7 +26,7 @@ import pytest
 
 from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig, run_offline
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.extended]  # make test-extended
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(REPO, "models", "demo")
