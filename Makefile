@@ -46,11 +46,14 @@ soak: setup
 models: setup
 	@$(PY) -m models.build
 
-# Medusa-1 heads for both demo targets (issue 16; models/heads.py), each model card extended. Resumable
-# (state in runs/heads-work); one torch thread each.
+# Medusa-1 heads and an EAGLE-1 head for both demo targets (issue 16;
+# models/heads.py, models/eagle.py), each model card extended. Resumable (state in runs/heads-work);
+# one torch thread each.
 heads: setup
 	@$(PY) -m vllm_specplugin.models.heads --target models/demo/target --out models/demo/medusa --tokens 500000 --card models/demo
 	@$(PY) -m vllm_specplugin.models.heads --target models/demo-mb/target --out models/demo-mb/medusa --tokens 300000 --lr 2e-3 --save-every 10 --card models/demo-mb
+	@$(PY) -m vllm_specplugin.models.eagle --target models/demo/target --out models/demo/eagle --tokens 600000 --lr 2e-3 --save-every 20 --card models/demo
+	@$(PY) -m vllm_specplugin.models.eagle --target models/demo-mb/target --out models/demo-mb/eagle --tokens 300000 --lr 2e-3 --save-every 10 --card models/demo-mb
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis runs

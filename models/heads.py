@@ -140,18 +140,18 @@ def heads_loss(heads: MedusaHeads, h: torch.Tensor, t_logp: torch.Tensor) -> tup
     return total, per
 
 
-def train_heads(target, stream: torch.Tensor, args, log=log) -> tuple[MedusaHeads, dict]:
-    """Resumable, seeded, token-budgeted training; returns (heads, stats)."""
+def resumable_train(model: nn.Module, batch_loss, stream: torch.Tensor, args, key: dict, desc: str,
+                    parts_name: str, log=log) -> tuple[nn.Module | None, dict]:
+    """The shared training loop of the heads trainers (Medusa here, EAGLE in models/eagle.py): AdamW with
+    warm-up + cosine, random ``[batch, seq]`` windows of ``stream`` (seeded), grad clip 1, a resumable
+    state in ``args.work`` every ``args.save_every`` steps (keyed by ``key``: a changed setting starts
+    afresh). ``batch_loss(x [B, T] int64) -> (loss, parts: list[float])``. Returns (model, stats), or
+    (None, {stopped_at_step, state}) under ``--stop-after`` (tests)."""
     from .train import _lr_at, make_optimizer
 
-    d = target.config.hidden_size
-    torch.manual_seed(args.seed)
-    heads = MedusaHeads(d, args.num_heads, args.layers, target.lm_head.weight)
-    opt = make_optimizer(heads, args.lr)
+    opt = make_optimizer(model, args.lr)
     steps = max(1, args.tokens // (args.batch * args.seq))
     warmup = max(1, min(50, steps // 10))
-    key = {k: getattr(args, k) for k in ("num_heads", "layers", "tokens", "batch", "seq", "lr", "seed")}
-    key["target"] = str(Path(args.target).resolve())
     args.work.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     state_path = args.work / f"{Path(args.out).name}-{digest}.pt"
@@ -159,7 +159,7 @@ def train_heads(target, stream: torch.Tensor, args, log=log) -> tuple[MedusaHead
     if state_path.exists():
         st = torch.load(state_path)
         if st["key"] == key:
-            heads.load_state_dict(st["heads"])
+            model.load_state_dict(st["heads"])
             opt.load_state_dict(st["opt"])
             start, wall0, ema = st["step"], st["wall_s"], st["ema"]
             log(f"resuming from {state_path} at step {start}/{steps}")
@@ -167,8 +167,7 @@ def train_heads(target, stream: torch.Tensor, args, log=log) -> tuple[MedusaHead
     hi = len(stream) - args.seq - 1
     t0 = time.time()
     per = []
-    bar = tqdm(range(steps), total=steps, initial=0, desc="train medusa heads", mininterval=15,
-               unit="step", ncols=100)
+    bar = tqdm(range(steps), total=steps, initial=0, desc=desc, mininterval=15, unit="step", ncols=100)
     for step in bar:
         starts = torch.randint(0, hi, (args.batch,), generator=g)  # drawn even when skipped: same data order
         if step < start:
@@ -176,16 +175,15 @@ def train_heads(target, stream: torch.Tensor, args, log=log) -> tuple[MedusaHead
         x = stream[starts[:, None] + torch.arange(args.seq)[None, :]].long()
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, steps, args.lr, warmup)
-        h, t_logp = target_hidden_and_logp(target, x)
-        loss, per = heads_loss(heads, h, t_logp)
+        loss, per = batch_loss(x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
         if (step + 1) % args.save_every == 0 and step + 1 < steps:
-            torch.save({"key": key, "heads": heads.state_dict(), "opt": opt.state_dict(), "step": step + 1,
+            torch.save({"key": key, "heads": model.state_dict(), "opt": opt.state_dict(), "step": step + 1,
                         "wall_s": wall0 + time.time() - t0, "ema": ema}, state_path)
             if args.stop_after and step + 1 >= args.stop_after:  # tests: a run stopped after a saved state
                 bar.close()
@@ -193,9 +191,24 @@ def train_heads(target, stream: torch.Tensor, args, log=log) -> tuple[MedusaHead
     bar.close()
     wall = wall0 + time.time() - t0
     stats = {"steps": steps, "train_tokens": steps * args.batch * args.seq, "train_wall_s": round(wall, 1),
-             "final_loss_ema": round(ema, 4), "final_kl_per_head": [round(v, 4) for v in per],
+             "final_loss_ema": round(ema, 4), parts_name: [round(v, 4) for v in per],
              "threads": torch.get_num_threads(), **{k: v for k, v in key.items() if k != "target"}}
-    return heads, stats
+    return model, stats
+
+
+def train_heads(target, stream: torch.Tensor, args, log=log) -> tuple[MedusaHeads, dict]:
+    """Resumable, seeded, token-budgeted training; returns (heads, stats)."""
+    d = target.config.hidden_size
+    torch.manual_seed(args.seed)
+    heads = MedusaHeads(d, args.num_heads, args.layers, target.lm_head.weight)
+    key = {k: getattr(args, k) for k in ("num_heads", "layers", "tokens", "batch", "seq", "lr", "seed")}
+    key["target"] = str(Path(args.target).resolve())
+
+    def batch_loss(x):
+        h, t_logp = target_hidden_and_logp(target, x)
+        return heads_loss(heads, h, t_logp)
+
+    return resumable_train(heads, batch_loss, stream, args, key, "train medusa heads", "final_kl_per_head", log)
 
 
 def save_heads(heads: MedusaHeads, out: Path, target_cfg: dict, extra: dict) -> int:
@@ -297,12 +310,15 @@ def greedy_windows(target, prompts: torch.Tensor, new_tokens: int) -> torch.Tens
     return out
 
 
-def measure(target, heads: MedusaHeads, held: torch.Tensor, windows: int, prompts: int, new_tokens: int) -> dict:
+def measure(target, heads: nn.Module, held: torch.Tensor, windows: int, prompts: int, new_tokens: int,
+            acceptance=head_acceptance) -> dict:
+    """The card's measurement: ``acceptance(target, heads, windows [N, T], start=0)`` on held-out text and
+    on the target's own greedy text (``heads.trainable_params()`` for the size)."""
     t = time.time()
-    ho = head_acceptance(target, heads, M.heldout_windows(held, 256, windows)[:, :-1])
+    ho = acceptance(target, heads, M.heldout_windows(held, 256, windows)[:, :-1])
     pr = M.heldout_windows(held, 48, prompts)[:, :-1].contiguous()
     # Positions from the prompt's last token on: there the window is the target's greedy text.
-    gr = head_acceptance(target, heads, greedy_windows(target, pr, new_tokens), start=pr.shape[1] - 1)
+    gr = acceptance(target, heads, greedy_windows(target, pr, new_tokens), start=pr.shape[1] - 1)
     tp = sum(p.numel() for p in target.parameters())
     return {"heldout_text": ho, "target_greedy_text": gr,
             "setup": {"heldout_windows": windows, "window": 255, "greedy_prompts": prompts,
@@ -337,9 +353,14 @@ def card_markdown(card: dict, target_name: str, heads_name: str) -> list[str]:
          "it is the probability that drafts 0..j are all accepted; accepted/step = its sum. "
          f"Held-out text: {m['heldout_text']['positions']} positions of {m['setup']['heldout_windows']} held-out "
          f"windows. Target's greedy text: {m['setup']['greedy_prompts']} held-out prompts of "
-         f"{m['setup']['greedy_prompt_len']} tokens, {m['setup']['greedy_new_tokens']} greedy tokens each.", "",
-         "| text | " + " | ".join(f"head {j}" for j in range(k)) + " | accepted/step T=0 |",
-         "|---|" + "---|" * (k + 1)]
+         f"{m['setup']['greedy_prompt_len']} tokens, {m['setup']['greedy_new_tokens']} greedy tokens each.", ""]
+    return L + acceptance_table(m, [f"head {j}" for j in range(k)])
+
+
+def acceptance_table(m: dict, columns: list[str]) -> list[str]:
+    """The card's acceptance table (rows T = 0 / T = 1 / chain T = 0 on held-out and greedy text) of a
+    ``measure`` result, one column per head / draft position."""
+    L = ["| text | " + " | ".join(columns) + " | accepted/step T=0 |", "|---|" + "---|" * (len(columns) + 1)]
     for name, key in (("held-out", "heldout_text"), ("target greedy", "target_greedy_text")):
         r = m[key]
         for row, lab in (("T0", "T = 0"), ("T1", "T = 1"), ("chain_T0", "chain T = 0")):
@@ -353,6 +374,14 @@ def _marks(heads_name: str) -> tuple[str, str]:
     return f"<!-- heads {heads_name} -->", f"<!-- /heads {heads_name} -->"
 
 
+def section_markdown(card: dict, target_name: str, heads_name: str) -> list[str]:
+    """The card section of one heads checkpoint, by its ``method`` (Medusa when absent)."""
+    if card.get("method", "medusa") == "eagle":
+        from .eagle import card_markdown as eagle_markdown  # eagle imports this module: import late
+        return eagle_markdown(card, target_name, heads_name)
+    return card_markdown(card, target_name, heads_name)
+
+
 def append_card(card_dir: Path, card: dict, target_name: str, heads_name: str) -> None:
     """Add (or replace) the section of heads ``heads_name`` in ``card_dir``'s MODEL_CARD.md and
     card.json (key ``heads``)."""
@@ -361,7 +390,7 @@ def append_card(card_dir: Path, card: dict, target_name: str, heads_name: str) -
     start, end = _marks(heads_name)
     if start in md and end in md:
         md = md[:md.index(start)].rstrip("\n") + "\n" + md[md.index(end) + len(end):].lstrip("\n")
-    md = md.rstrip("\n") + "\n\n" + start + "\n\n" + "\n".join(card_markdown(card, target_name, heads_name)) + end + "\n"
+    md = md.rstrip("\n") + "\n\n" + start + "\n\n" + "\n".join(section_markdown(card, target_name, heads_name)) + end + "\n"
     md_path.write_text(md)
     js = json.loads(js_path.read_text()) if js_path.exists() else {}
     js.setdefault("heads", {})[heads_name] = card
@@ -397,14 +426,33 @@ def sample_stream(target, tokens: int, seed: int, seq: int = 128, batch: int = 1
     return torch.cat(out)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_specplugin.models.heads", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def training_data(target, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train stream, held-out stream) int64 for ``--data corpus|self`` (shared by the heads trainers)."""
+    if args.data == "corpus":
+        from .grow import streams
+        train_stream, held = streams(tok_mod.load_tokenizer(args.target))
+    else:
+        train_stream = sample_stream(target, args.tokens + args.seq + 1, seed=args.seed)
+        held = sample_stream(target, 256 * (args.eval_windows + 1), seed=args.seed + 1)
+    log(f"target {args.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.2f} M params; "
+        f"corpus {len(train_stream)} train / {len(held)} held-out tokens")
+    return train_stream, held
+
+
+def write_card(args, card: dict) -> None:
+    """``heads_card.json`` in ``--out`` and, with ``--card``, the family card's section."""
+    (args.out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
+    if args.card:
+        root = Path(__file__).resolve().parent.parent
+        rel = lambda p: str(p.resolve().relative_to(root)) if p.resolve().is_relative_to(root) else str(p)
+        append_card(args.card, card, rel(args.target), rel(args.out))
+
+
+def common_args(ap: argparse.ArgumentParser, tokens: int) -> None:
+    """The CLI options shared by the heads trainers (this one and models/eagle.py)."""
     ap.add_argument("--target", type=Path, required=True, help="Llama target checkpoint dir")
     ap.add_argument("--out", type=Path, required=True, help="heads checkpoint dir to write")
-    ap.add_argument("--num-heads", type=int, default=4, help="k: heads = drafted tokens per step (default 4)")
-    ap.add_argument("--layers", type=int, default=1, help="residual blocks per head (default 1)")
-    ap.add_argument("--tokens", type=int, default=400_000, help="training budget in tokens (default 400k)")
+    ap.add_argument("--tokens", type=int, default=tokens, help=f"training budget in tokens (default {tokens})")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -422,20 +470,21 @@ def main(argv=None) -> int:
                     help="model-card dir to extend (MODEL_CARD.md + card.json), e.g. models/demo")
     ap.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # tests: interrupt here
     ap.add_argument("--card-only", action="store_true", help="measure existing --out heads, rewrite the card")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vllm_specplugin.models.heads", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-heads", type=int, default=4, help="k: heads = drafted tokens per step (default 4)")
+    ap.add_argument("--layers", type=int, default=1, help="residual blocks per head (default 1)")
+    common_args(ap, tokens=400_000)
     args = ap.parse_args(argv)
 
     target_cfg = check_llama(args.target)  # refuse early, before any loading
     torch.set_num_threads(args.threads)
     t_all = time.time()
     target = load_target(args.target)
-    if args.data == "corpus":
-        from .grow import streams
-        train_stream, held = streams(tok_mod.load_tokenizer(args.target))
-    else:
-        train_stream = sample_stream(target, args.tokens + args.seq + 1, seed=args.seed)
-        held = sample_stream(target, 256 * (args.eval_windows + 1), seed=args.seed + 1)
-    log(f"target {args.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.2f} M params; "
-        f"corpus {len(train_stream)} train / {len(held)} held-out tokens")
+    train_stream, held = training_data(target, args)
     command = "python -m vllm_specplugin.models.heads " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.card_only:
         heads = load_heads(args.out)
@@ -456,11 +505,7 @@ def main(argv=None) -> int:
     size = save_heads(heads, args.out, target_cfg, extra)
     card = {"command": command, "train": stats, "measure": meas, "checkpoint_bytes": size,
             "total_wall_s": round(time.time() - t_all, 1), "torch": torch.__version__}
-    (args.out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
-    if args.card:
-        root = Path(__file__).resolve().parent.parent
-        rel = lambda p: str(p.resolve().relative_to(root)) if p.resolve().is_relative_to(root) else str(p)
-        append_card(args.card, card, rel(args.target), rel(args.out))
+    write_card(args, card)
     log(f"wrote {args.out} ({size / 1e6:.2f} MB) in {(time.time() - t_all) / 60:.1f} min")
     return 0
 

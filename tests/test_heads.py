@@ -1,6 +1,6 @@
 """models/heads.py (Medusa heads trainer): the checkpoint it writes is in vLLM 0.32's Medusa format,
 and a non-Llama target is refused. A tiny training run (a few seconds) on a random 2-layer Llama;
-the real heads are loaded by vLLM in tests/e2e/test_medusa_engine.py (engine tier)."""
+the real heads are loaded by vLLM in tests/e2e/test_heads_engine.py (engine tier, make test-extended)."""
 
 from __future__ import annotations
 

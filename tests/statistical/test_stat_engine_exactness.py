@@ -4,7 +4,7 @@ Each test runs the real engine (one fresh process) and checks its samples agains
 processed target distribution from transformers (``verification.check``):
 
 * T > 0: N continuations of m = 3 tokens for each of 2 prompts (N = 3000 for the honest cases,
-  2000 for the faults; 45 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
+  2000 for the faults; 48 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
   and every sampled token checked for support (a token the target gives probability 0 fails).
 * T = 0: vLLM samples one continuation per prompt, so 32 random prompts of 4-48 tokens x 32
   tokens each (1024 tokens): every token must be the reference argmax (within a logit gap of
@@ -18,8 +18,8 @@ Holm over all the p-values actually recorded (whose count must be SUITE_HYPOTHES
 test, ``test_suite_holm_decision``: it rejects exactly the faults.
 
 Power, computed before each engine run (``check.plan_power``: exact simulated runs of the same
-N, m and prompts give the df of the combined test), at ALPHA = 0.01 / 45 = 2.2e-4 (the figures below
-were computed at 0.01 / 35 = 2.9e-4, before ten cases joined the suite; each test asserts its
+N, m and prompts give the df of the combined test), at ALPHA = 0.01 / 48 = 2.1e-4 (the figures below
+were computed at 0.01 / 35 = 2.9e-4, before 13 cases joined the suite; each test asserts its
 power at the current ALPHA before and after its run):
 * honest T > 0 cases: the decision (combined df, level ALPHA) detects a binned TV of 0.1 at the
   first token of each prompt with power >= 0.99. At N = 2000 the combined df is 246-261 at T = 1.0
@@ -129,10 +129,11 @@ SUITE = {
     "fault_k_tree_q_not_updated": 1,
     "honest_medusa": len(MEDUSA_TEMPERATURES),
     "fault_j_medusa_expand_bug": 1,
+    "honest_eagle": len(MEDUSA_TEMPERATURES),
     "honest_block_draft_model": len(BLOCK_TEMPERATURES),
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 45
+SUITE_HYPOTHESES = sum(SUITE.values())  # 48
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -770,6 +771,32 @@ def test_catches_cpu_expand_kernel_bug_with_medusa(peaked_target, peaked_medusa,
     assert_caught(check("fault_j_medusa_expand_bug", peaked_target, [sampling(1.0, top_k=0, n=N_FAULT)], reference,
                         fault=True, speculative_config=medusa_spec(peaked_medusa),
                         additional_config={"specplugin": {"cpu_sampler_repair": "off"}}))
+
+
+# --- EAGLE-1 head through vLLM's own method "eagle" (issue 16) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def peaked_eagle(tmp_path_factory, peaked_target) -> str:
+    """An EAGLE-1 head for peaked_target made by the repository's trainer (models/eagle.py; ~10 s),
+    self-distilled on the target's own T = 1 samples (it has no corpus)."""
+    from vllm_specplugin.models import eagle
+
+    root = tmp_path_factory.mktemp("eagle")
+    out = root / "peaked-eagle"
+    assert eagle.main(["--target", peaked_target, "--out", str(out), "--data", "self", "--tokens", "32768",
+                       "--batch", "8", "--seq", "64", "--lr", "3e-3", "--eval-windows", "2", "--eval-prompts", "4",
+                       "--eval-new-tokens", "16", "--work", str(root / "work")]) == 0
+    return str(out)
+
+
+def test_eagle_head_is_exact(peaked_target, peaked_eagle, reference):
+    """vLLM's built-in EAGLE (its proposer drafts the head's argmax autoregressively from the target's
+    final hidden states; verification is one-hot) with the CPU sampler repair on: T = 0 (every token
+    the argmax) and T = 0.7 / 1.0 with top-k 50 / top-p 0.9."""
+    report = run_honest("honest_eagle", peaked_target, [sampling(t) for t in MEDUSA_TEMPERATURES], reference,
+                        speculative_config={"method": "eagle", "model": peaked_eagle, "num_speculative_tokens": 3})
+    assert all(c.acceptance_rate and c.acceptance_rate > 0.02 for c in report.cases)
 
 
 # --- rejection_sample_method "block" and "synthetic" (issue 15 part C) -----------------------

