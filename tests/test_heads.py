@@ -66,10 +66,15 @@ def test_checkpoint_is_vllm_medusa_format(built):
     assert 0 < card["measure"]["params_fraction_of_target"] < 1
 
 
-def test_refuses_non_llama_target(tmp_path):
+@pytest.mark.parametrize("trainer", ["heads", "eagle"])
+def test_refuses_non_llama_target(tmp_path, trainer):
+    """Both trainers (Medusa: models/heads.py, EAGLE: models/eagle.py) refuse before writing anything."""
+    import importlib
+
+    main = importlib.import_module(f"vllm_specplugin.models.{trainer}").main
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(SystemExit, match="only Llama targets"):
-        H.main(["--target", str(tmp_path), "--out", str(tmp_path / "out")])
+        main(["--target", str(tmp_path), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
 
