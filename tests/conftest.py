@@ -1,4 +1,4 @@
-"""Shared fixtures: small peaked Llama checkpoints made once per test session."""
+"""Shared fixtures: small peaked Llama checkpoints made once per test session, and vLLM's CPU rejection sampler."""
 
 from __future__ import annotations
 
@@ -38,3 +38,28 @@ def unrelated_draft(tmp_path_factory) -> str:
     return str(
         make_random_llama(tmp_path_factory.mktemp("models") / "unrelated-draft", num_layers=1, logit_scale=3.0, seed=1)
     )
+
+
+@pytest.fixture(scope="module")
+def cpu_rejection_sampler():
+    """vLLM's rejection_sampler module with the CPU kernel fallbacks registered and the expand
+    repair on; whatever expand implementation was registered before is put back afterwards."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("CPU-only test")
+    current_platform.import_kernels()
+    current_platform.register_triton_kernel_overrides()
+    from vllm_specplugin import sampler_repair
+
+    before = sampler_repair.registered_expand_impl()
+    sampler_repair.apply("on")
+    assert sampler_repair.registered_expand_impl() is not None
+    assert not sampler_repair.expand_is_broken(sampler_repair.registered_expand_impl())
+    from vllm.v1.sample import rejection_sampler
+
+    yield rejection_sampler
+    if before is not None:
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        register_kernels({sampler_repair.EXPAND_KERNEL: before})

@@ -219,19 +219,9 @@ Q = [np.array([0.10, 0.30, 0.10, 0.20, 0.05, 0.25]), np.array([0.30, 0.10, 0.20,
 
 
 @pytest.fixture(scope="module")
-def rs():
-    """vLLM's rejection_sampler with CPU fallbacks registered, the expand repair, and the lossy patch."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        pytest.skip("CPU-only test")
-    current_platform.import_kernels()
-    current_platform.register_triton_kernel_overrides()
-    from vllm_specplugin import sampler_repair
-
-    sampler_repair.apply("on")
-    from vllm.v1.sample import rejection_sampler
-
+def rs(cpu_rejection_sampler):
+    """vLLM's rejection_sampler with CPU fallbacks registered, the expand repair (conftest), and the lossy patch."""
+    rejection_sampler = cpu_rejection_sampler
     la.install()
     assert getattr(rejection_sampler.rejection_sample, "_specplugin_lossy", False)
     return rejection_sampler

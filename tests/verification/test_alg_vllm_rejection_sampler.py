@@ -56,27 +56,9 @@ def required_n(probs) -> int:
 
 
 @pytest.fixture(scope="module")
-def rs():
-    """vLLM's rejection_sampler module with CPU fallbacks registered and expand repaired."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        pytest.skip("CPU-only test")
-    current_platform.import_kernels()
-    current_platform.register_triton_kernel_overrides()
-    from vllm_specplugin import sampler_repair
-
-    before = sampler_repair.registered_expand_impl()
-    sampler_repair.apply("on")
-    assert sampler_repair.registered_expand_impl() is not None
-    assert not sampler_repair.expand_is_broken(sampler_repair.registered_expand_impl())
-    from vllm.v1.sample import rejection_sampler
-
-    yield rejection_sampler
-    if before is not None:  # put back whatever was registered before this module ran
-        from vllm.triton_utils.dispatcher import register_kernels
-
-        register_kernels({sampler_repair.EXPAND_KERNEL: before})
+def rs(cpu_rejection_sampler):
+    """vLLM's rejection_sampler module with CPU fallbacks registered and expand repaired (conftest)."""
+    return cpu_rejection_sampler
 
 
 def metadata(rows: int, temperature=1.0, top_k=None, top_p=None):
