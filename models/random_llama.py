@@ -83,3 +83,35 @@ def make_random_llama(
     make_word_tokenizer(path, vocab_size)
     stamp.write_text(json.dumps(spec))
     return path
+
+
+def cached_random_llama(name: str, root: str | None = None, **kwargs) -> str:
+    """``make_random_llama(**kwargs)`` made once per machine (under ``root``, default the system's
+    temporary folder), at a path that depends only on this module's source and the arguments.
+
+    vLLM's compile cache is keyed by the model's path among the rest of the engine's
+    configuration, so an engine started again from the same checkpoint and configuration, in a
+    later test run or another test process, loads its saved compile instead of compiling (30-40 s
+    per engine start on a 2-core CPU). Made in a staging folder and renamed into place: two
+    processes may make it at once.
+    """
+    import hashlib
+    import inspect
+    import shutil
+    import sys
+    import tempfile
+
+    source = inspect.getsource(sys.modules[__name__])
+    key = hashlib.sha256((source + repr(sorted(kwargs.items()))).encode()).hexdigest()[:16]
+    root = root or os.path.join(tempfile.gettempdir(), "specplugin-random-models")
+    path = os.path.join(root, f"{name}-{key}")
+    if not os.path.exists(os.path.join(path, "specplugin_random.json")):
+        os.makedirs(root, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{name}-", dir=root)
+        make_random_llama(os.path.join(staging, name), **kwargs)
+        try:
+            os.rename(os.path.join(staging, name), path)
+        except OSError:  # another process renamed its copy first: the same files
+            pass
+        shutil.rmtree(staging, ignore_errors=True)
+    return path

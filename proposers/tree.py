@@ -226,6 +226,40 @@ def sample_without_replacement(q: torch.Tensor, count: int, generator: torch.Gen
     return drawn
 
 
+def enumerate_draws(run: Callable):
+    """Every outcome of ``run(draw)`` over all sequences of draws, with its probability: yields
+    (probability, result). ``draw(q, count)`` draws up to ``count`` tokens from ``q`` without
+    replacement, as :func:`sample_without_replacement` does, but each sequence of choices is
+    replayed once (depth-first over the choices). Exact enumeration for tiny vocabularies: the
+    reference the tests and ``throughput/tree_prediction.py`` check sampled trees against."""
+    pending: list[list[int]] = [[]]
+    while pending:
+        script = pending.pop()
+        state = {"prob": 1.0, "taken": []}
+
+        def draw(q, count, script=script, state=state):
+            remaining, out = q.double().clone(), []
+            for _ in range(count):
+                total = float(remaining.sum())
+                if total <= 0:
+                    break
+                position = len(state["taken"])
+                if position < len(script):
+                    token = script[position]
+                else:
+                    support = (remaining > 0).nonzero().flatten().tolist()
+                    token = support[0]
+                    pending.extend(state["taken"] + [alt] for alt in support[1:])
+                state["prob"] *= float(remaining[token]) / total
+                state["taken"].append(token)
+                remaining[token] = 0
+                out.append(token)
+            return out
+
+        result = run(draw)
+        yield state["prob"], result
+
+
 def build_sampled_tree(
     root_q: torch.Tensor,
     expand: Callable[[list[list[int]]], torch.Tensor],

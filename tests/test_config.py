@@ -111,6 +111,7 @@ MALFORMED = [
     ("tree not an object", {"specplugin": {"tree_drafting": "big"}}, "tree_drafting"),
     ("tree unknown key", {"specplugin": {"tree_drafting": {"depth": 3}}}, "tree_drafting.depth"),
     ("tree zero budget", {"specplugin": {"tree_drafting": {"node_budget": 0}}}, "tree_drafting.node_budget"),
+    ("draft fast path not a bool", {"specplugin": {"draft_fast_path": "yes"}}, "draft_fast_path"),
     ("draft-free sampler unknown", {"specplugin": {"draft_free_sampler": "fast"}}, "draft_free_sampler"),
     ("invalid JSON string", "{specplugin: ", "additional_config"),
 ]

@@ -132,6 +132,30 @@ def test_no_leak_over_1000_requests_and_budget_holds():
     assert small.num_cached_requests == 0 and small.cache_bytes == 0
 
 
+def test_byte_counts_are_the_sums_over_the_caches():
+    """cache_bytes and resident_bytes are running totals (a sum over every tracked request after
+    each batch made drafting quadratic in the requests an engine holds): they must equal the sums
+    they replace after every operation: buffers growing, rollbacks, evictions, frees, resident
+    bytes set and cleared, prefix sharing."""
+    rt = DraftRuntime(DRAFT, target_vocab_size=VOCAB, memory_budget_mb=0.25, prefix_sharing=True,
+                      prefix_block_size=4, kv_chunk_tokens=16)
+    gen = np.random.default_rng(0)
+    shared = context(12, seed=99)
+    for i in range(300):
+        rid = f"r{gen.integers(40)}"
+        tail = context(int(gen.integers(1, 60)), seed=i)
+        rt.draft(rid, shared + tail if gen.random() < 0.5 else tail, 3, GREEDY)
+        rt.set_resident_bytes(rid, int(gen.choice([0, 1000, 5000])))
+        if gen.random() < 0.2:
+            rt.free(rid)
+        assert rt.cache_bytes == sum(c.nbytes for c in rt._caches.values()), i
+        assert rt.resident_bytes == sum(rt._resident.values()), i
+    assert rt.evictions > 0 and rt.prefix_cache.num_blocks > 0
+    for i in range(40):
+        rt.free(f"r{i}")
+    assert rt.cache_bytes == 0 and rt.resident_bytes == 0
+
+
 @pytest.mark.parametrize("name", ["draft-small", "draft-distill", "target"])
 def test_lean_llama_forward_equals_transformers(name):
     """The lean forward path gives transformers' logits, batched, ragged and incremental."""
@@ -211,7 +235,8 @@ def test_lean_forward_takes_its_kernels():
         silu_and_mul=counting("silu_and_mul", TORCH_KERNELS.silu_and_mul),
     )
     path = os.path.join(REPO_ROOT, "models", "demo", "draft-small")
-    rt = DraftRuntime(path, target_vocab_size=VOCAB, kernels=kernels)
+    # the lean forward itself (the one-row fast path, on by default, has its own tests: test_lean_decode.py)
+    rt = DraftRuntime(path, target_vocab_size=VOCAB, kernels=kernels, fast_path=False)
     layers = rt.model.config.num_hidden_layers
     assert len(made) == 4 * layers + 1  # qkv, o, gate_up, down per layer, and the lm_head
     reference = DraftRuntime(path, target_vocab_size=VOCAB).open_batch(["a"], [context(9, seed=14)]).logits

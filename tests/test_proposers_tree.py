@@ -12,7 +12,7 @@ from vllm_specplugin.proposers.base import GREEDY, DraftRequest
 from vllm_specplugin.proposers.draft_runtime import DraftRuntime
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs
-from vllm_specplugin.proposers.tree import TokenTree, TreeProposer, build_tree
+from vllm_specplugin.proposers.tree import TokenTree, TreeProposer, build_tree, enumerate_draws
 from vllm_specplugin.verification.drivers import REPO_ROOT
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
@@ -289,38 +289,6 @@ def test_tree_proposer_uses_only_public_ensemble_api_and_draws_nothing(drafts):
 
 
 # --- trees whose children are drawn without replacement (T > 0, tree verification) -----------
-
-
-def enumerate_draws(run):
-    """Every outcome of ``run(draw)`` over all sequences of draws, with its probability: ``draw(q,
-    count)`` draws up to ``count`` tokens from ``q`` without replacement, as build_sampled_tree's
-    default does, but each sequence of choices is replayed once (depth-first over the choices)."""
-    pending = [[]]
-    while pending:
-        script = pending.pop()
-        state = {"prob": 1.0, "taken": []}
-
-        def draw(q, count, script=script, state=state):
-            remaining, out = q.double().clone(), []
-            for _ in range(count):
-                total = float(remaining.sum())
-                if total <= 0:
-                    break
-                position = len(state["taken"])
-                if position < len(script):
-                    token = script[position]
-                else:
-                    support = (remaining > 0).nonzero().flatten().tolist()
-                    token = support[0]
-                    pending.extend(state["taken"] + [alt] for alt in support[1:])
-                state["prob"] *= float(remaining[token]) / total
-                state["taken"].append(token)
-                remaining[token] = 0
-                out.append(token)
-            return out
-
-        result = run(draw)
-        yield state["prob"], result
 
 
 def _markov(vocab: int, seed: int, zeros: bool):

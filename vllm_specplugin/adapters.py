@@ -111,7 +111,7 @@ class MultiDraftProposer(_CustomClassAdapter):
         from vllm_specplugin.proposers.gamma import AdaptiveGamma
         from vllm_specplugin.proposers.tree import TreeProposer
         from vllm_specplugin.config import SpecPluginConfigError
-        from vllm_specplugin.draft_kernels import draft_kernels
+        from vllm_specplugin.draft_kernels import draft_kernels, draft_out_kernels
         from vllm_specplugin.metrics import MetricsPublisher
 
         if not self.config.drafts:
@@ -140,6 +140,8 @@ class MultiDraftProposer(_CustomClassAdapter):
                 prefix_sharing=self.config.prefix_sharing,
                 prefix_block_size=self.config.prefix_block_size,
                 kernels=kernels,
+                out_kernels=draft_out_kernels(kernels),
+                fast_path=self.config.draft_fast_path,
             )
             for path in self.config.drafts
         ]

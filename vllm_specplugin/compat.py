@@ -50,6 +50,7 @@ def check_vllm_internals() -> list[str]:
     _check_empty_top_k_internals(need)
     _check_shutdown_internals(need)
     _check_generator_repair_internals(need)
+    _check_compile_cache_internals(need)
     _check_draft_free_internals(need)
     _check_lossy_acceptance_internals(need)
     _check_tensor_parallel_internals(need)
@@ -123,6 +124,25 @@ def _check_generator_repair_internals(need) -> None:
          "GPUModelRunner._prepare_inputs sets discard_request_mask before sampling")
     need("self.generators: dict[int, torch.Generator] = {}" in inspect.getsource(InputBatch.__init__),
          "InputBatch.generators: batch row -> torch.Generator")
+
+
+def _check_compile_cache_internals(need) -> None:
+    """vllm_specplugin.compile_cache_repair: vLLM's AOT-compile load path and torch's bundled wrapper."""
+    import torch._dynamo.aot_compile_types as aot_types
+    from vllm.compilation import decorators
+
+    load = inspect.getsource(inspect.unwrap(decorators._try_load_aot_compiled_fn))
+    need("torch.compiler.load_compiled_function(" in load
+         and "loaded_fn._artifacts.compiled_fn.finalize_loading(model.vllm_config)" in load,
+         "decorators._try_load_aot_compiled_fn loads with torch.compiler.load_compiled_function, then calls "
+         "loaded_fn._artifacts.compiled_fn.finalize_loading(model.vllm_config)")
+    bundled = getattr(aot_types, "BundledAOTAutogradSerializableCallable", None)
+    need(bundled is not None and isinstance(bundled.__dict__.get("deserialize_compile_artifacts"), classmethod),
+         "torch._dynamo.aot_compile_types.BundledAOTAutogradSerializableCallable.deserialize_compile_artifacts "
+         "(classmethod)")
+    need(bundled is not None and "__getattr__" in bundled.__dict__ and "finalize_loading" not in bundled.__dict__,
+         "BundledAOTAutogradSerializableCallable forwards attributes to its compiled function and has no "
+         "finalize_loading of its own")
 
 
 def _check_shutdown_internals(need) -> None:
@@ -283,12 +303,19 @@ def _check_draft_kernels_internals(need) -> None:
          f"vllm._custom_ops.create_onednn_mm(weight [K, N], primitive_cache_size), got {create}")
     mm = list(inspect.signature(ops.onednn_mm).parameters) if hasattr(ops, "onednn_mm") else []
     need(mm[:3] == ["dnnl_handler", "x", "bias"], f"vllm._custom_ops.onednn_mm(dnnl_handler, x, bias), got {mm}")
+    if hasattr(ops, "onednn_mm"):  # the one-row fast path writes products with the out form (proposers/lean_decode.py)
+        source = inspect.getsource(ops.onednn_mm)
+        need("torch.ops._C.onednn_mm(" in source and "dnnl_handler.handler_tensor" in source,
+             "vllm._custom_ops.onednn_mm calls torch.ops._C.onednn_mm(out, x, bias, dnnl_handler.handler_tensor)")
+        need("handler.handler_tensor = " in inspect.getsource(ops.create_onednn_mm),
+             "vllm._custom_ops.create_onednn_mm sets handler.handler_tensor")
     if getattr(ops, "_supports_onednn", False):  # the CPU build: its C++ kernels are there too
         expected = {
             "rms_norm": ["out", "input", "weight", "epsilon"],
             "fused_add_rms_norm": ["input", "residual", "weight", "epsilon"],
             "rotary_embedding": ["positions", "query", "key", "head_size", "cos_sin_cache", "is_neox"],
             "silu_and_mul": ["out", "input"],
+            "onednn_mm": ["c", "a", "bias", "handler_tensor"],
         }
         for name, arguments in expected.items():
             op = getattr(torch.ops._C, name, None)
@@ -425,6 +452,20 @@ def _check_carried_q_internals(need) -> None:
          "'Missing cached draft probabilities' on a miss")
     need("request.spec_token_ids = []" in inspect.getsource(Scheduler.schedule),
          "Scheduler.schedule clears a request's drafts only when it schedules the request")
+    schedule = inspect.getsource(Scheduler.schedule)
+    need("Pad new decode requests to uniform spec decoding size" in schedule
+         and "scheduled_spec_decode_tokens[request_id] = [\n                        -1\n                    ] * self.num_spec_tokens"
+         in schedule,
+         "Scheduler.schedule pads a request admitted with one token to compute with num_spec_tokens placeholder "
+         "drafts (-1); runner_shim gives them a zero q, sampler_repair makes the CPU kernel reject them")
+    from vllm.utils import cpu_triton_utils
+
+    need(list(inspect.signature(cpu_triton_utils._rejection_random_sample_kernel_impl).parameters)[:11] == [
+        "output_token_ids", "cu_num_draft_tokens", "draft_token_ids", "draft_probs", "target_probs",
+        "bonus_token_ids", "recovered_token_ids", "uniform_probs", "is_greedy", "max_spec_len", "vocab_size"],
+        "cpu_triton_utils._rejection_random_sample_kernel_impl(output_token_ids, cu_num_draft_tokens, "
+        "draft_token_ids, draft_probs, target_probs, bonus_token_ids, recovered_token_ids, uniform_probs, "
+        "is_greedy, max_spec_len, vocab_size, ...) (sampler_repair's placeholder probe and wrapper)")
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     fields = getattr(SpecDecodeMetadata, "__dataclass_fields__", {})

@@ -52,9 +52,13 @@ class SpecPluginConfig:
     draft_dtype: str = "float32"
     # The kernels of the drafts' lean forward: "vllm" (vLLM's own CPU kernels: prepacked oneDNN
     # products, RMSNorm, RoPE, SiLU-and-mul; about 2x faster for a draft at batch 1), "torch", or
-    # "auto" (vLLM's for float32 and bfloat16 drafts on CPU where this vLLM has them, else torch).
+    # "auto" (vLLM's for float32 and bfloat16 drafts on CPU where this vLLM has them and this CPU
+    # runs them: bfloat16 products need AVX-512 or AMX; else torch, logged).
     # Its former name draft_gemm (auto | onednn | torch) is still accepted.
     draft_kernels: str = "auto"
+    # A request's catch-up and one-token extends (the batch-1 hot path) through the lean forward's
+    # one-row fast path (proposers/lean_decode.py: same kernels, same logits, preallocated buffers).
+    draft_fast_path: bool = True
     # Memory budget for the drafts' per-request KV caches, in MiB (shared by all drafts).
     draft_memory_budget_mb: int = 512
     # Adapt the mixture weights online from each draft's measured agreement with the target.
@@ -151,6 +155,8 @@ class SpecPluginConfig:
                 values["draft_kernels"] = DRAFT_GEMM_ALIASES[_choice(raw, "draft_gemm", tuple(DRAFT_GEMM_ALIASES))]
             else:
                 values["draft_kernels"] = _choice(raw, "draft_kernels", DRAFT_KERNELS)
+        if "draft_fast_path" in raw:
+            values["draft_fast_path"] = _bool(raw, "draft_fast_path")
         if "draft_memory_budget_mb" in raw:
             values["draft_memory_budget_mb"] = _positive_int(raw, "draft_memory_budget_mb")
         if raw.get("adaptive_gamma") is not None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_specplugin.proposers.lean_decode import OutKernels
 from vllm_specplugin.proposers.lean_llama import LeanKernels
 
 logger = logging.getLogger(__name__)
@@ -53,13 +54,47 @@ def vllm_kernels_available() -> str | None:
     return None
 
 
+_DTYPE_PROBES: dict[str, str | None] = {}
+
+
+def vllm_kernels_run(dtype: str) -> str | None:
+    """None when vLLM's CPU kernels run drafts in ``dtype`` on this CPU, else why not (probed once
+    per dtype on tiny tensors). oneDNN needs AVX-512 (BF16) or AMX for bfloat16 products: on an
+    AVX2-only CPU ``create_onednn_mm`` raises "could not create a primitive descriptor for the
+    matmul primitive", which the draft would otherwise hit at start-up."""
+    if dtype not in _DTYPE_PROBES:
+        why_not = vllm_kernels_available()
+        if why_not is None:
+            try:
+                torch_dtype = getattr(torch, dtype)
+                x = torch.ones(1, 16, dtype=torch_dtype)
+                onednn_linear(torch.ones(16, 16, dtype=torch_dtype))(x)
+                _rms_norm(x, torch.ones(16, dtype=torch_dtype), 1e-6)
+                _silu_and_mul(torch.ones(1, 32, dtype=torch_dtype))
+            except RuntimeError as error:
+                why_not = (f"vLLM's CPU kernels cannot run {dtype} on this CPU ({str(error).split('. ')[0]}; "
+                           "oneDNN's bfloat16 products need AVX-512 or AMX)")
+        _DTYPE_PROBES[dtype] = why_not
+    return _DTYPE_PROBES[dtype]
+
+
 def onednn_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """A ``LinearFactory``: ``weight`` [out, in] (float32 or bfloat16, CPU) prepacked once;
-    returns x [T, in] -> [T, out] in x's dtype (x must have the weight's dtype)."""
+    returns x [T, in] -> [T, out] in x's dtype (x must have the weight's dtype), with
+    ``.into(x, out)``: the same product written into ``out`` [T, out] (the lean forward's one-row
+    fast path, ``proposers/lean_decode.py``)."""
     from vllm import _custom_ops as ops
 
     handler = ops.create_onednn_mm(weight.t(), PRIMITIVE_CACHE_SIZE)
-    return lambda x: ops.onednn_mm(handler, x, None)
+    handler_tensor = handler.handler_tensor
+    mm = torch.ops._C.onednn_mm
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return ops.onednn_mm(handler, x, None)
+
+    linear.into = lambda x, out: mm(out, x, None, handler_tensor)
+    linear.handler = handler  # owns the prepacked primitive (freed when collected)
+    return linear
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,12 +134,31 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 VLLM_CPU_KERNELS = LeanKernels("vllm", onednn_linear, _rms_norm, _add_rms_norm, _make_rope, _silu_and_mul)
 
 
+def _rms_norm_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    torch.ops._C.rms_norm(out, x, weight, eps)
+
+
+def _silu_and_mul_into(out: torch.Tensor, gate_up: torch.Tensor) -> None:
+    torch.ops._C.silu_and_mul(out, gate_up)
+
+
+# The out forms the one-row fast path writes through (proposers/lean_decode.py).
+VLLM_OUT_KERNELS = OutKernels("vllm", _rms_norm_into, _silu_and_mul_into)
+
+
+def draft_out_kernels(kernels: LeanKernels | None) -> OutKernels | None:
+    """The out forms matching ``kernels`` (what :func:`draft_kernels` chose): vLLM's for vLLM's
+    kernels, None (torch's) otherwise."""
+    return VLLM_OUT_KERNELS if kernels is VLLM_CPU_KERNELS else None
+
+
 def draft_kernels(choice: str, device: torch.device | str, dtype: str = "float32") -> LeanKernels | None:
     """The kernels for ``draft_kernels`` = ``choice``, drafts in ``dtype`` on ``device``, or None
     for torch's (the lean forward's default).
 
-    ``auto``: vLLM's CPU kernels for float32 / bfloat16 drafts on CPU where this vLLM has them,
-    else torch (a CPU fallback is logged). ``vllm``: vLLM's or a clear error. ``torch``: torch's.
+    ``auto``: vLLM's CPU kernels for float32 / bfloat16 drafts on CPU where this vLLM has them
+    and they run that dtype on this CPU (:func:`vllm_kernels_run`), else torch (a CPU fallback is
+    logged). ``vllm``: vLLM's or a clear error. ``torch``: torch's.
     """
     if choice not in DRAFT_KERNELS:
         raise ValueError(f"draft_kernels must be one of {DRAFT_KERNELS}, got {choice!r}")
@@ -116,7 +170,7 @@ def draft_kernels(choice: str, device: torch.device | str, dtype: str = "float32
     elif dtype not in KERNEL_DTYPES:
         why_not = f"draft_dtype {dtype} (vLLM's CPU kernels here take {' or '.join(KERNEL_DTYPES)})"
     else:
-        why_not = vllm_kernels_available()
+        why_not = vllm_kernels_run(dtype)
     if why_not is None:
         return VLLM_CPU_KERNELS
     if choice == "vllm":

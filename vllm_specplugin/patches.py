@@ -108,8 +108,9 @@ def _wrap_worker_init() -> None:
             config = SpecPluginConfig.from_additional_config(
                 getattr(self.vllm_config, "additional_config", None)
             )
-            from vllm_specplugin import generator_repair, sampler_repair
+            from vllm_specplugin import compile_cache_repair, generator_repair, sampler_repair
 
+            compile_cache_repair.apply()  # before the model is compiled: load vLLM's saved compile (CPU)
             sampler_repair.apply(config.cpu_sampler_repair)
             if config.cpu_generator_repair != "off":
                 generator_repair.apply()  # seeded requests with a chunked prefill (CPU generators)

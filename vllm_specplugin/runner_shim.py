@@ -33,6 +33,7 @@ verified one-hot alone (``_one_hot_only_where_q_is_missing``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from vllm_specplugin.config import SpecPluginConfig
@@ -142,6 +143,15 @@ def _shimmed_propose_draft_token_ids(original):
     return propose_draft_token_ids
 
 
+def _log_counted(runner, counter: str, level: int, message: str, *args) -> None:
+    """Count an event on the runner (attribute ``counter``) and log it, with the count as the last
+    argument, the first 10 times and every 1000th after."""
+    count = getattr(runner, counter, 0) + 1
+    setattr(runner, counter, count)
+    if count <= 10 or count % 1000 == 0:
+        logger.log(level, message, *args, count)
+
+
 def _carried_q(runner, view: BatchView) -> dict:
     """q of drafts that vLLM's scheduler still holds for requests outside this step's batch.
 
@@ -163,11 +173,9 @@ def _carried_q(runner, view: BatchView) -> dict:
         for row, (rid, n) in enumerate(zip(req_ids, lengths)):
             if n and rid not in in_batch and rid in view.live_request_ids and rid not in carried:
                 carried[rid] = probs[row].clone()
-                count = getattr(runner, "_specplugin_carried_count", 0) + 1
-                runner._specplugin_carried_count = count
-                if count <= 10 or count % 1000 == 0:
-                    logger.info("specplugin: request %s has drafts scheduled but is not in this step's batch; its q "
-                                "is kept for when vLLM verifies them (%d such request-steps so far)", rid, count)
+                _log_counted(runner, "_specplugin_carried_count", logging.INFO,
+                             "specplugin: request %s has drafts scheduled but is not in this step's batch; its q "
+                             "is kept for when vLLM verifies them (%d such request-steps so far)", rid)
     runner._specplugin_carried_q = carried
     return carried
 
@@ -194,11 +202,18 @@ def _hand_over(runner, probs, view: BatchView, draft_token_ids, carried: dict) -
 
 def _one_hot_only_where_q_is_missing(original):
     """When some request's drafts have no q in the hand-over, vLLM 0.32 verifies the WHOLE step as
-    one-hot. Seen under load even with _carried_q (e.g. at the first step after the batch changed
-    almost entirely; path not identified). Here only that request's drafts get a one-hot q, which is
-    exact for any proposal drawn independently of the verifier's random numbers (accept x with
-    probability p(x), else sample p without x), and every other request keeps its own q, so its
-    outcome does not depend on another request's misfortune."""
+    one-hot. Here only that request's drafts get a q of their own, and every other request keeps its
+    own q, so its outcome does not depend on another request's misfortune:
+
+    - a drafted token x gets a one-hot q: exact for any proposal drawn independently of the
+      verifier's random numbers (accept x with probability p(x), else sample p without x);
+    - a placeholder draft (-1) gets a zero q row. vLLM's scheduler makes these itself: a request
+      admitted with ONE token to compute (a one-token prompt) in a step where running requests decode
+      and none of them is a prefill chunk is padded to 1 + k tokens with k drafts of -1
+      (``Scheduler.schedule``, "Pad new decode requests to uniform spec decoding size"). The
+      rejection kernels reject a draft < 0 (vLLM-CPU's only once sampler_repair has repaired it;
+      unrepaired, the step is left to vLLM as before) and sample the recovered token from
+      max(p - q, 0), which a zero row makes p: the same as vLLM's own one-hot path for -1."""
     def _get_spec_decode_draft_probs(self, spec_decode_metadata):
         probs, ids = self._draft_probs, self._draft_prob_req_ids
         if probs is None or ids is None or not _shim_enabled(self):
@@ -213,24 +228,46 @@ def _one_hot_only_where_q_is_missing(original):
         rows, start = [], 0
         for rid, n in drafted:
             row = row_of.get(rid)
-            if row is None and bool((tokens[start:start + n] < 0).any()):
-                # vLLM's own placeholder drafts (-1, seen at the first step of a new batch): not ours,
-                # no q to give; vLLM's whole-step one-hot path handles them as it always did.
-                return original(self, spec_decode_metadata)
             if row is None:
-                rows.append(torch.nn.functional.one_hot(tokens[start:start + n].long(), probs.shape[-1]).to(probs.dtype))
-                count = getattr(self, "_specplugin_one_hot_rows", 0) + 1
-                self._specplugin_one_hot_rows = count
-                if count <= 10 or count % 1000 == 0:
-                    logger.warning("specplugin: request %s has %d draft(s) scheduled without a q in the hand-over; "
-                                   "they are verified as one-hot (exact), the step's other drafts against their q "
-                                   "(%d such request-steps so far)", rid, n, count)
+                draft = tokens[start:start + n].long()
+                placeholder = draft < 0  # vLLM's padding at admission (docstring): q = 0, always rejected
+                if bool(placeholder.any()) and not _placeholders_rejected(self):
+                    # vLLM-CPU's kernel unrepaired (cpu_sampler_repair off): a zero q would make it
+                    # accept -1 far more often than vLLM's one-hot path does; leave the step to vLLM.
+                    return original(self, spec_decode_metadata)
+                q = torch.nn.functional.one_hot(draft.clamp(min=0), probs.shape[-1]).to(probs.dtype)
+                rows.append(q * (~placeholder).unsqueeze(-1).to(probs.dtype))
+                if bool(placeholder.all()):
+                    _log_counted(self, "_specplugin_placeholder_rows", logging.INFO,
+                                 "specplugin: request %s was admitted with %d placeholder draft(s) (-1) of vLLM's "
+                                 "scheduler; they are rejected (zero q), the step's other drafts verified against "
+                                 "their q (%d such request-steps so far)", rid, n)
+                else:
+                    _log_counted(self, "_specplugin_one_hot_rows", logging.WARNING,
+                                 "specplugin: request %s has %d draft(s) scheduled without a q in the hand-over; "
+                                 "they are verified as one-hot (exact), the step's other drafts against their q "
+                                 "(%d such request-steps so far)", rid, n)
             else:
                 rows.append(probs[row, :n])
             start += n
         return torch.cat(rows).contiguous()
 
     return _get_spec_decode_draft_probs
+
+
+def _placeholders_rejected(runner) -> bool:
+    """Whether the rejection kernel in use rejects -1 drafts (sampler_repair); asked once per runner."""
+    safe = getattr(runner, "_specplugin_placeholders_rejected", None)
+    if safe is None:
+        from vllm_specplugin import sampler_repair
+
+        try:
+            safe = sampler_repair.placeholder_drafts_are_rejected()
+        except Exception:  # noqa: BLE001 - cannot tell: keep vLLM's own path
+            logger.exception("specplugin: cannot probe the rejection kernel with -1 drafts")
+            safe = False
+        runner._specplugin_placeholders_rejected = safe
+    return safe
 
 
 def _check_probs(probs, draft_token_ids, num_reqs: int) -> None:

