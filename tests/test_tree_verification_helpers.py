@@ -26,24 +26,38 @@ torch.set_num_threads(1)
 PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # root; two children; 1 has two children; 2 one; 3 one
 
 
-def _vllm_writer(dtype, block: int, dim: int):
-    """(impl, layer) stand-ins carrying what vLLM's CPU cache writer reads."""
+def _vllm_writer(dtype, block: int, dim: int, isa: str | None = None):
+    """(impl, layer) stand-ins carrying what vLLM's CPU cache writer reads; ``isa`` None: the one
+    vLLM picks on this CPU for ``dtype`` and ``block``."""
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     impl = types.SimpleNamespace(attn_type=AttentionType.DECODER, kv_cache_dtype="auto")
-    layer = types.SimpleNamespace(isa=_get_attn_isa(dtype, block, dim, "auto"), _k_scale_float=1.0,
+    layer = types.SimpleNamespace(isa=isa or _get_attn_isa(dtype, block, dim, "auto"), _k_scale_float=1.0,
                                   _v_scale_float=1.0)
     return impl, layer
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_reader_reads_what_vllms_writer_wrote(dtype):
-    """Tokens written with vLLM's do_kv_cache_update into scattered blocks read back exactly."""
+# The CPU attention ISAs whose cache layouts the reader knows: (isa, dtype, layout). "amx" is what
+# vLLM picks for bf16 caches (block % 32 == 0) on CPUs with AMX tiles; elsewhere its kernel is absent.
+ISA_CASES = [
+    pytest.param("vec", torch.float32, "k_dxb", id="vec-fp32"),
+    pytest.param("vec", torch.bfloat16, "k_dxb", id="vec-bf16"),
+    pytest.param("vec16", torch.float32, "k_dxb", id="vec16-fp32"),
+    pytest.param("amx", torch.bfloat16, "amx_vnni", id="amx-bf16",
+                 marks=pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="no AMX tiles on this CPU")),
+]
+
+
+@pytest.mark.parametrize("isa,dtype,layout", [*ISA_CASES, pytest.param(None, torch.float32, None, id="chosen-fp32"),
+                                              pytest.param(None, torch.bfloat16, None, id="chosen-bf16")])
+def test_paged_reader_reads_what_vllms_writer_wrote(isa, dtype, layout):
+    """Tokens written with vLLM's do_kv_cache_update into scattered blocks read back exactly, for
+    each ISA's layout and for the ISA vLLM picks on this CPU."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     block, dim, heads = 32, 64, 2
-    impl, layer = _vllm_writer(dtype, block, dim)
+    impl, layer = _vllm_writer(dtype, block, dim, isa)
     cache = torch.zeros(6, heads, block, 2 * dim, dtype=dtype)
     table = torch.tensor([4, 1, 3], dtype=torch.int32)  # the request's blocks, not in order
     n = 2 * block + 5
@@ -51,8 +65,12 @@ def test_paged_reader_reads_what_vllms_writer_wrote(dtype):
     value = torch.randn(n, heads, dim).to(dtype)
     slots = torch.tensor([int(table[i // block]) * block + i % block for i in range(n)], dtype=torch.int64)
     CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, key, value, cache, slots)
-    layout = tv.probe_layout(impl, layer, cache)
-    assert layout in tv.LAYOUTS
+    probed = tv.probe_layout(impl, layer, cache)
+    assert probed in tv.CPU_BACKEND.layouts and probed == (layout or probed), (layer.isa, probed)
+    for other in set(tv.CPU_BACKEND.layouts) - {probed}:  # the probe tells the layouts apart
+        k, v = tv.read_paged_kv(cache, table, n, other)
+        assert not (torch.equal(k, key) and torch.equal(v, value)), other
+    layout = probed
     k, v = tv.read_paged_kv(cache, table, n, layout)
     assert torch.equal(k, key) and torch.equal(v, value)
     k, v = tv.read_paged_kv(cache, table, 7, layout)  # a prefix inside the first block
@@ -270,7 +288,8 @@ def test_tree_mode_submits_the_whole_tree_only_when_allowed(distill, params):
     assert metrics.accepted_tokens == len(path)
 
 
-def test_tree_rows_recomputed_from_the_paged_cache_and_compacted():
+@pytest.mark.parametrize("isa,dtype,layout", [ISA_CASES[0], ISA_CASES[-1]])
+def test_tree_rows_recomputed_from_the_paged_cache_and_compacted(isa, dtype, layout):
     """The attention impl's tree pass on a cache written by vLLM's writer: each tree row equals
     attention over [prefix, its path]; rows of other requests are left alone; the compaction then
     puts the accepted path's K/V in the slots after the root."""
@@ -278,7 +297,7 @@ def test_tree_rows_recomputed_from_the_paged_cache_and_compacted():
 
     generator = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, block = 4, 2, 32, 32
-    impl, layer = _vllm_writer(torch.float32, block, dim)
+    impl, layer = _vllm_writer(dtype, block, dim, isa)
     impl.scale = dim ** -0.5
     prefix, n, start = 40, len(PARENTS), 2  # another request owns token rows 0..1 (batch row 0)
     table = torch.tensor([[0, 0], [5, 2]], dtype=torch.int32)
@@ -286,15 +305,16 @@ def test_tree_rows_recomputed_from_the_paged_cache_and_compacted():
     def slot(position):
         return int(table[1, position // block]) * block + position % block
 
-    cache = torch.zeros(6, kv_heads, block, 2 * dim)
-    prefix_k = torch.randn(prefix, kv_heads, dim, generator=generator)
-    prefix_v = torch.randn(prefix, kv_heads, dim, generator=generator)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output row is rounded to bf16
+    cache = torch.zeros(6, kv_heads, block, 2 * dim, dtype=dtype)
+    prefix_k = torch.randn(prefix, kv_heads, dim, generator=generator).to(dtype)
+    prefix_v = torch.randn(prefix, kv_heads, dim, generator=generator).to(dtype)
     CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, prefix_k, prefix_v, cache,
                                                torch.tensor([slot(p) for p in range(prefix)]))
     total = start + n
-    query = torch.randn(total, heads, dim, generator=generator)
-    key = torch.randn(total, kv_heads, dim, generator=generator)
-    value = torch.randn(total, kv_heads, dim, generator=generator)
+    query = torch.randn(total, heads, dim, generator=generator).to(dtype)
+    key = torch.randn(total, kv_heads, dim, generator=generator).to(dtype)
+    value = torch.randn(total, kv_heads, dim, generator=generator).to(dtype)
     slots = torch.tensor([0, 1] + [slot(prefix + i) for i in range(n)])  # tree rows: sequential slots
     CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, key[start:], value[start:], cache, slots[start:])
     metadata = types.SimpleNamespace(seq_lens=torch.tensor([5, prefix + n], dtype=torch.int32), block_table=table,
@@ -302,8 +322,8 @@ def test_tree_rows_recomputed_from_the_paged_cache_and_compacted():
     entry = tv.TreeEntry(1, "r", start, list(PARENTS), [-1, 5, 6, 1, 2, 3, 4], tree_attention_mask(PARENTS))
 
     def run(fault=None):
-        step = tv.TreeStep([entry], "k_dxb", fault)
-        output = torch.zeros(total, heads, dim)
+        step = tv.TreeStep([entry], layout, fault)
+        output = torch.zeros(total, heads, dim, dtype=dtype)
         tv._recompute_tree_rows(impl, step, layer, query, key, value, cache, metadata, output)
         return step, output
 
@@ -311,23 +331,23 @@ def test_tree_rows_recomputed_from_the_paged_cache_and_compacted():
     assert not output[:start].any()
     expected = tv.tree_attention(query[start:], key[start:], value[start:], prefix_k, prefix_v,
                                  tree_attention_mask(PARENTS), impl.scale)
-    assert torch.allclose(output[start:], expected, atol=1e-6)
+    assert torch.allclose(output[start:].float(), expected, atol=tolerance / 10)
     for node in range(n):  # and that is causal attention along the node's path
         path = [node]
         while PARENTS[path[-1]] >= 0:
             path.append(PARENTS[path[-1]])
         rows = [start + p for p in path[::-1]]
-        k = torch.cat([prefix_k, key[rows]]).repeat_interleave(2, dim=1)
-        v = torch.cat([prefix_v, value[rows]]).repeat_interleave(2, dim=1)
+        k = torch.cat([prefix_k, key[rows]]).float().repeat_interleave(2, dim=1)
+        v = torch.cat([prefix_v, value[rows]]).float().repeat_interleave(2, dim=1)
         ref = torch.nn.functional.scaled_dot_product_attention(
-            query[start + node: start + node + 1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            query[start + node: start + node + 1].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             scale=impl.scale).transpose(0, 1)[0]
-        assert torch.allclose(output[start + node], ref, atol=1e-5)
+        assert torch.allclose(output[start + node].float(), ref, atol=tolerance)
     _, masked_off = run("no_ancestor_mask")
-    assert not torch.allclose(masked_off[start + 3], output[start + 3], atol=1e-3)
+    assert not torch.allclose(masked_off[start + 3].float(), output[start + 3].float(), atol=tolerance)
 
     tv._compact(step, 0, [2, 5])  # accepted: node 2 (depth 1), node 5 (depth 2)
-    k, v = tv.read_paged_kv(cache, table[1], prefix + 3, "k_dxb")
+    k, v = tv.read_paged_kv(cache, table[1], prefix + 3, layout)
     assert torch.equal(k[prefix + 1], key[start + 2]) and torch.equal(v[prefix + 1], value[start + 2])
     assert torch.equal(k[prefix + 2], key[start + 5]) and torch.equal(v[prefix + 2], value[start + 5])
     assert torch.equal(k[prefix], key[start]) and torch.equal(k[:prefix], prefix_k)  # root and prefix kept

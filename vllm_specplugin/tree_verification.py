@@ -88,12 +88,15 @@ TREE_FAULTS = ("probe_layout", "no_ancestor_mask", "no_tree_positions", "no_kv_c
 # Paged-cache layouts of vLLM 0.32's cache tensor [num_blocks, H_kv, B, 2D]. On CPU, one block and
 # head is [K region | V region] of B * D elements each (vLLM views the cache as
 # [num_blocks, H_kv, 2B, D] and chunks it): "k_dxb": K column-major [D, B], V row-major [B, D] (CPU
-# "vec" ISA, checked for fp32 and bf16); "k_bxd": both row-major [B, D]. On CUDA (FlashAttention,
+# "vec" ISA, checked for fp32 and bf16); "k_bxd": both row-major [B, D]; "amx_vnni" (the "amx" ISA
+# vLLM picks for bf16 caches with B % 32 == 0 on CPUs with AMX, e.g. Sapphire Rapids): tiles packed
+# for AMX's VNNI products, K as [B/16, D/2, 16, 2] (16-token tiles, pairs of dims) and V as
+# [D/16, B/2, 16, 2] (16-dim tiles, pairs of tokens), mapped by writing with vLLM's writer. On CUDA (FlashAttention,
 # Triton and FlexAttention backends alike), every token's row of 2D holds [K | V]:
 # "kv_interleaved", ``key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)``, each
 # [num_blocks, B, H_kv, D]. The probe picks the first of its backend's layouts that reads back what
 # vLLM's writer wrote.
-LAYOUTS = ("k_dxb", "k_bxd", "kv_interleaved")
+LAYOUTS = ("k_dxb", "k_bxd", "amx_vnni", "kv_interleaved")
 _BOGUS_LAYOUT = "v_dxb"  # K and V both column-major: what the probe_layout fault reads with
 
 
@@ -121,7 +124,7 @@ class TreeBackendSpec:
 
 _BACKENDS = "vllm.v1.attention.backends."
 CPU_BACKEND = TreeBackendSpec("CPU_ATTN", _BACKENDS + "cpu_attn", "CPUAttentionBackend", "CPUAttentionBackendImpl",
-                              ("k_dxb", "k_bxd"), tested=True)
+                              ("k_dxb", "k_bxd", "amx_vnni"), tested=True)
 # The CUDA path: the same torch recompute and compaction over vLLM's CUDA cache layout. UNTESTED on
 # CUDA (written and unit-tested on CPU tensors with these layouts; no GPU was available).
 CUDA_BACKENDS = (
@@ -193,6 +196,11 @@ def read_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: i
                 v.reshape(needed * block, heads, dim)[:num_tokens])
     regions = blocks.reshape(needed, heads, 2, block * dim)
     k_region, v_region = regions[:, :, 0], regions[:, :, 1]
+    if layout == "amx_vnni":  # CPU "amx" ISA (bf16): VNNI-packed tiles of 16
+        k = k_region.reshape(needed, heads, block // 16, dim // 2, 16, 2).permute(0, 2, 4, 1, 3, 5)
+        v = v_region.reshape(needed, heads, dim // 16, block // 2, 16, 2).permute(0, 3, 5, 1, 2, 4)
+        return (k.reshape(needed * block, heads, dim)[:num_tokens],
+                v.reshape(needed * block, heads, dim)[:num_tokens])
     if layout in ("k_dxb", _BOGUS_LAYOUT):
         k = k_region.reshape(needed, heads, dim, block).permute(0, 3, 1, 2)
     elif layout == "k_bxd":
