@@ -390,4 +390,9 @@ def test_a_slow_draft_adaptive_gamma_backs_off(plain):
     compare_greedy(plain["speed_ref"], outputs)
     total = sum(chosen.values())
     assert total > 0 and chosen.get(0, 0) >= 0.7 * total, chosen
-    assert speed > 1.5 * no_backoff_bound
+    # Drafted tokens per request-step: K without back-off. The throughput above is reported, not
+    # asserted: wall time on a shared 2-core machine running two test workers says nothing stable
+    # (plain decoding of the same target measured 87 to 406 tok/s between runs), so the gate is
+    # what the cost model chose, which fixes the draft work per emitted token.
+    mean_gamma = sum(gamma * count for gamma, count in chosen.items()) / total
+    assert mean_gamma <= 0.1 * K, (mean_gamma, chosen)
