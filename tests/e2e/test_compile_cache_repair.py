@@ -15,7 +15,8 @@ import pytest
 
 from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig, run_offline
 
-pytestmark = pytest.mark.engine
+# make test-extended: three engine starts in a fresh compile cache (3-5 min on 2 cores).
+pytestmark = [pytest.mark.engine, pytest.mark.extended]
 
 TARGET = os.path.join(os.path.dirname(__file__), "..", "..", "models", "demo", "target")
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=24, n=1, seed=None)

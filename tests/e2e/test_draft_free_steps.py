@@ -13,7 +13,9 @@ import pytest
 
 from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig, run_offline
 
-pytestmark = pytest.mark.engine
+# make test-extended (2.5 min): make test covers draft-free steps in the statistical suite
+# (honest_draft_free_steps: T = 0 every token the argmax, T = 1 chain-rule test).
+pytestmark = [pytest.mark.engine, pytest.mark.extended]
 
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=24, n=1, seed=None)
 MANY = [[(11 * i + 5 * j) % 500 + 3 for j in range(12 + i)] for i in range(8)]  # 8 rows > max_batch

@@ -14,7 +14,8 @@ import pytest
 
 from vllm_specplugin.verification.drivers import EngineJobError, GenerationTask, SamplingConfig, run_offline
 
-pytestmark = pytest.mark.engine
+# make test-extended: the harness's own clean-up (1.5 min); no product code runs.
+pytestmark = [pytest.mark.engine, pytest.mark.extended]
 
 TARGET = os.path.join(os.path.dirname(__file__), "..", "..", "models", "demo", "target")
 

@@ -14,7 +14,9 @@ from vllm_specplugin.lossy_acceptance import Acceptance
 from vllm_specplugin.verification import lossy
 from vllm_specplugin.verification.drivers import REPO_ROOT
 
-pytestmark = pytest.mark.statistical
+# make test-extended (3.5 min): make test keeps the lossy rules' unit tests (test_lossy_acceptance.py)
+# and fault (e), a lossy threshold, caught in the statistical suite.
+pytestmark = [pytest.mark.statistical, pytest.mark.extended]
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
 
