@@ -14,8 +14,17 @@ with an exponential moving average and picks γ for the next step:
 
 In both modes a request at γ = 0 (possible with ``gamma_min`` 0) is probed with γ = 1 every
 ``probe_every`` steps, so that its α stays current: γ = 0 means "stop drafting while it does not
-pay", and the probes let the request come back once it pays again. A new request starts from
-α = ``initial_alpha``.
+pay", and the probes let the request come back once it pays again. Every request at γ = 0 probes
+in the same step (each ``probe_every``-th call), so a probe step verifies one draft token per
+such request: the measured cost per verified token then includes the fixed cost of a step that
+has drafts at all (vLLM's rejection sampler in place of its plain sampler) spread over the
+batch, where staggered probes (one or two per step) had read that fixed cost as a cost per token
+and kept every request at γ = 0 at batch 16. A new request starts from the acceptance
+this proposer has recently seen over all requests (``population_alpha``, an exponential average of
+every request's measured outcomes), and from ``initial_alpha`` before any outcome: a fixed start
+below the break-even α kept each new request at γ = 0 until its probes had raised its average (at
+batch 16 on the memory-bound pair, c ≈ 0.8 against a start of 0.7: the first 16–24 of a 64-token
+request's steps went undrafted).
 
 Steps that admit a request are left out of the measured costs: its prompt was prefilled in the
 target step just before and is prefilled by the drafts in this call, which a decoding step does
@@ -51,7 +60,8 @@ class GammaPolicy:
     max_batch: int | None = None  # back-off: no drafting in steps with more requests than this
     cost_ratio: float | None = None  # c for cost_model; None: measured while serving
     probe_every: int = 8  # at γ = 0, draft γ = 1 every this many steps to measure α again
-    initial_alpha: float = 0.7  # a new request's acceptance estimate, before any outcome
+    initial_alpha: float = 0.7  # a new request's acceptance estimate before any outcome was seen
+    population_weight: float = 0.05  # weight of each measured outcome in the population's average α
 
     def __post_init__(self):
         if self.mode not in GAMMA_MODES:
@@ -68,6 +78,8 @@ class GammaPolicy:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         if not 0 <= self.initial_alpha <= 1:
             raise ValueError(f"initial_alpha must be in [0, 1], got {self.initial_alpha}")
+        if not 0 < self.population_weight <= 1:
+            raise ValueError(f"population_weight must be in (0, 1], got {self.population_weight}")
 
 
 class StepCostModel:
@@ -116,7 +128,6 @@ class StepCostModel:
 class _RequestState:
     gamma: int
     alpha: float
-    steps_at_zero: int = 0  # consecutive steps chosen at γ = 0 (probes included)
     pending: tuple[int, list[int]] | None = None  # (context length, drafted tokens) of the last draft
 
 
@@ -135,6 +146,8 @@ class AdaptiveGamma(Proposer):
         self._last_call_end: float | None = None
         self._last_ids: set[str] = set()
         self._last_drafted = 0
+        self._calls = 0  # propose calls so far: requests at γ = 0 probe together every probe_every-th
+        self.population_alpha = policy.initial_alpha  # recent acceptance over all requests; a new one starts here
 
     def free(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -149,6 +162,7 @@ class AdaptiveGamma(Proposer):
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         started = self._clock()
+        self._calls += 1
         ids = {r.request_id for r in requests}
         # A request seen for the first time was prefilled by the target's last step and is
         # prefilled by the drafts now: this step's costs are not a decoding step's.
@@ -185,7 +199,7 @@ class AdaptiveGamma(Proposer):
     def _observe(self, request: DraftRequest) -> None:
         state = self._states.get(request.request_id)
         if state is None:
-            self._states[request.request_id] = _RequestState(gamma=request.gamma, alpha=self.policy.initial_alpha)
+            self._states[request.request_id] = _RequestState(gamma=request.gamma, alpha=self.population_alpha)
             return
         if state.pending is None:
             return
@@ -198,6 +212,8 @@ class AdaptiveGamma(Proposer):
         tested = min(len(drafted), accepted + 1)  # positions after the first rejection were not tested
         weight = self.policy.ema_weight
         state.alpha = (1 - weight) * state.alpha + weight * (accepted / tested)
+        w = self.policy.population_weight
+        self.population_alpha = (1 - w) * self.population_alpha + w * (accepted / tested)
 
     def _choose(self, request: DraftRequest) -> int:
         state = self._states[request.request_id]
@@ -215,10 +231,8 @@ class AdaptiveGamma(Proposer):
             best = optimal_gamma(min(state.alpha, 0.999), cost, gamma_max) if gamma_max >= 1 else 0
             state.gamma = max(floor, best)
         if state.gamma > 0:
-            state.steps_at_zero = 0
             return state.gamma
-        state.steps_at_zero += 1
-        if state.steps_at_zero % policy.probe_every == 0:
+        if self._calls % policy.probe_every == 0:
             return min(1, gamma_max)  # a probe keeps alpha current (γ itself stays 0 until α says so)
         return 0
 

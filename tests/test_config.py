@@ -94,6 +94,8 @@ MALFORMED = [
     ("adaptive gamma negative min", {"specplugin": {"adaptive_gamma": {"gamma_min": -1}}}, "adaptive_gamma"),
     ("adaptive gamma max_batch 0", {"specplugin": {"adaptive_gamma": {"max_batch": 0}}}, "adaptive_gamma.max_batch"),
     ("adaptive gamma ema string", {"specplugin": {"adaptive_gamma": {"ema_weight": "0.3"}}}, "adaptive_gamma.ema_weight"),
+    ("adaptive gamma population_weight 0",
+     {"specplugin": {"adaptive_gamma": {"population_weight": 0}}}, "adaptive_gamma.population_weight"),
     ("adaptive gamma probe_every 0",
      {"specplugin": {"adaptive_gamma": {"probe_every": 0}}}, "adaptive_gamma.probe_every"),
     ("adaptive gamma probe_every float",

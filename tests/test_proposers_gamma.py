@@ -65,6 +65,43 @@ def test_cost_model_rule_matches_the_speedup_formula(runtime):
     assert lengths[-every:].count(0) == every - 1 and lengths[-every:].count(1) == 1
 
 
+def test_requests_at_gamma_zero_probe_in_the_same_step(runtime):
+    """Requests that arrive at different steps and sit at γ = 0 (drafting does not pay at c = 50)
+    probe together, every probe_every-th step: a probe step verifies one token per such request,
+    so the measured cost per token is not one step's fixed cost of having drafts at all."""
+    proposer = AdaptiveGamma(EnsembleProposer([runtime]), GammaPolicy(mode="cost_model", gamma_min=0, cost_ratio=50))
+    rng = np.random.default_rng(4)
+    contexts: dict[str, list[int]] = {}
+    drafting_per_step = []
+    for i in range(4 * proposer.policy.probe_every):
+        if i < 5:  # one new request per step
+            contexts[f"r{i}"] = rng.integers(3, 4096, 10).tolist()
+        lengths = step(proposer, contexts, 4, accept=False)
+        drafting_per_step.append(sum(n > 0 for n in lengths.values()))
+    late = drafting_per_step[5:]
+    assert set(late) == {0, 5} and late.count(5) == 4  # all five together, at calls 8, 16, 24 and 32
+
+
+def test_a_new_request_starts_from_the_acceptance_seen_so_far(runtime):
+    """c = 0.8 is above the break-even of the fixed start α = 0.7 (γ = 1 pays only when α > c):
+    a new request starting from it would not draft until its probes had raised its average. After
+    the proposer has seen high acceptance, a new request starts from that and drafts at once."""
+    policy = GammaPolicy(mode="cost_model", gamma_min=0, cost_ratio=0.8)
+    rng = np.random.default_rng(3)
+    fresh = AdaptiveGamma(EnsembleProposer([runtime]), policy)
+    assert step(fresh, {"x": rng.integers(3, 4096, 12).tolist()}, 6, accept=True)["x"] == 0
+    proposer = AdaptiveGamma(EnsembleProposer([runtime]), policy)
+    seen = {"a": rng.integers(3, 4096, 12).tolist()}
+    step(proposer, seen, 6, accept=True)
+    proposer._states["a"].alpha = 0.95  # as if "a" had been accepted for a while: it drafts
+    for _ in range(40):
+        step(proposer, seen, 6, accept=True)
+    assert proposer.population_alpha > 0.9
+    newcomer = {"b": rng.integers(3, 4096, 12).tolist()}
+    assert step(proposer, newcomer, 6, accept=True)["b"] >= 1
+    assert proposer._states["b"].alpha > 0.9
+
+
 def test_large_batches_back_off_to_no_drafting(runtime):
     inner = EnsembleProposer([runtime])
     proposer = AdaptiveGamma(inner, GammaPolicy(max_batch=4))

@@ -69,7 +69,9 @@ class SpecPluginConfig:
     # Adaptive γ (proposers/gamma.py): null for a fixed γ = num_speculative_tokens, or an object
     # with any of mode ("threshold" | "cost_model"), gamma_min, raise_above, lower_below,
     # ema_weight, max_batch (no drafting above this batch size), cost_ratio (c; null: measured),
-    # probe_every (at γ = 0, draft γ = 1 every this many steps; 8), initial_alpha (0.7).
+    # probe_every (at γ = 0, draft γ = 1 every this many steps; 8), initial_alpha (0.7: a new
+    # request's α before any outcome; after, it starts from the average over recent requests),
+    # population_weight (0.05: each measured outcome's weight in that average).
     adaptive_gamma: dict | None = None
     # Tree drafting (proposers/tree.py): null, or an object with node_budget (16), branching (3),
     # max_depth (null: gamma for chain, ceil(node_budget / branching) for tree) and verify
@@ -198,7 +200,7 @@ def _choice(raw: Mapping, field: str, choices: tuple[str, ...], name: str | None
 _GAMMA_FIELDS = {
     "mode": str, "gamma_min": int, "raise_above": float, "lower_below": float,
     "ema_weight": float, "max_batch": int, "cost_ratio": float,
-    "probe_every": int, "initial_alpha": float,
+    "probe_every": int, "initial_alpha": float, "population_weight": float,
 }
 
 
@@ -228,6 +230,8 @@ def _gamma_policy(value: Any) -> dict:
             raise SpecPluginConfigError(field, f"must be >= 0, got {item}")
         if key == "initial_alpha" and not 0 <= item <= 1:
             raise SpecPluginConfigError(field, f"must be in [0, 1], got {item}")
+        if key == "population_weight" and not 0 < item <= 1:
+            raise SpecPluginConfigError(field, f"must be in (0, 1], got {item}")
         out[key] = float(item) if kind is float else item
     try:
         GammaPolicy(**out)

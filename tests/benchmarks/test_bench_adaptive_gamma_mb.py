@@ -22,6 +22,9 @@ CONFIGS = [
     *[plugin_config(f"fixed gamma={g}", [DRAFT], g) for g in (1, 2, 4, 6)],
     plugin_config("adaptive gamma (cost model)", [DRAFT], K,
                   adaptive_gamma={"mode": "cost_model", "gamma_min": 0, "max_batch": MAX_BATCH}),
+    # γ by the measured cost model alone: where the cap's crossover (measured on 1 Dec) does not hold.
+    plugin_config("adaptive gamma (cost model, no batch cap)", [DRAFT], K,
+                  adaptive_gamma={"mode": "cost_model", "gamma_min": 0}),
 ]
 WORKLOADS = {
     "mixed-batch1": (repetitive_code_prompts(4) + unpredictable_prompts(4), 1, 0.0),
