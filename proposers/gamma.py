@@ -16,10 +16,11 @@ In both modes a request at γ = 0 (possible with ``gamma_min`` 0) is probed with
 ``probe_every`` steps, so that its α stays current: γ = 0 means "stop drafting while it does not
 pay", and the probes let the request come back once it pays again. Every request at γ = 0 probes
 in the same step (each ``probe_every``-th call), so a probe step verifies one draft token per
-such request: the measured cost per verified token then includes the fixed cost of a step that
-has drafts at all (vLLM's rejection sampler in place of its plain sampler) spread over the
-batch, where staggered probes (one or two per step) had read that fixed cost as a cost per token
-and kept every request at γ = 0 at batch 16. A new request starts from the acceptance
+such request: the fixed cost of a step that has drafts at all (vLLM's rejection sampler in place
+of its plain sampler, the draft's forwards) is then spread over the batch in the measured cost
+per verified token, where staggered probes (one or two per step) put all of it on one or two
+tokens. (c stays a price per token: at batch 16, where drafting costs mostly per step, it still
+undervalues long drafts; ``max_batch`` is the setting for that, measured per machine.) A new request starts from the acceptance
 this proposer has recently seen over all requests (``population_alpha``, an exponential average of
 every request's measured outcomes), and from ``initial_alpha`` before any outcome: a fixed start
 below the break-even α kept each new request at γ = 0 until its probes had raised its average (at
