@@ -61,6 +61,9 @@ def test_adaptive_gamma_probe_and_initial_alpha_keys():
     ).gamma_policy()
     assert (policy.gamma_min, policy.probe_every, policy.initial_alpha) == (0, 3, 1.0)
     assert isinstance(policy.initial_alpha, float)
+    assert defaults.population_weight == 0.05
+    weighted = SpecPluginConfig.from_dict({"adaptive_gamma": {"population_weight": 0.2}}).gamma_policy()
+    assert weighted.population_weight == 0.2
 
 
 def test_json_string_is_accepted():
