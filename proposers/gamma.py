@@ -20,12 +20,12 @@ such request: the fixed cost of a step that has drafts at all (vLLM's rejection 
 of its plain sampler, the draft's forwards) is then spread over the batch in the measured cost
 per verified token, where staggered probes (one or two per step) put all of it on one or two
 tokens. (c stays a price per token: at batch 16, where drafting costs mostly per step, it still
-undervalues long drafts; ``max_batch`` is the setting for that, measured per machine.) A new request starts from the acceptance
-this proposer has recently seen over all requests (``population_alpha``, an exponential average of
-every request's measured outcomes), and from ``initial_alpha`` before any outcome: a fixed start
-below the break-even α kept each new request at γ = 0 until its probes had raised its average (at
-batch 16 on the memory-bound pair, c ≈ 0.8 against a start of 0.7: the first 16–24 of a 64-token
-request's steps went undrafted).
+undervalues long drafts; ``max_batch`` is the setting for that, measured per machine.) A new
+request starts from the acceptance this proposer has recently seen over all requests
+(``population_alpha``, an exponential average of every request's measured outcomes), and from
+``initial_alpha`` before any outcome: a fixed start below the break-even α kept each new request
+at γ = 0 until its probes had raised its average (at batch 16 on the memory-bound pair, c ≈ 0.8
+against a start of 0.7: the first 16–24 of a 64-token request's steps went undrafted).
 
 Steps that admit a request are left out of the measured costs: its prompt was prefilled in the
 target step just before and is prefilled by the drafts in this call, which a decoding step does
@@ -211,10 +211,11 @@ class AdaptiveGamma(Proposer):
             return
         accepted = accepted_count(drafted, emitted)
         tested = min(len(drafted), accepted + 1)  # positions after the first rejection were not tested
+        outcome = accepted / tested
         weight = self.policy.ema_weight
-        state.alpha = (1 - weight) * state.alpha + weight * (accepted / tested)
+        state.alpha = (1 - weight) * state.alpha + weight * outcome
         w = self.policy.population_weight
-        self.population_alpha = (1 - w) * self.population_alpha + w * (accepted / tested)
+        self.population_alpha = (1 - w) * self.population_alpha + w * outcome
 
     def _choose(self, request: DraftRequest) -> int:
         state = self._states[request.request_id]
