@@ -19,13 +19,20 @@ in the same step (each ``probe_every``-th call), so a probe step verifies one dr
 such request: the fixed cost of a step that has drafts at all (vLLM's rejection sampler in place
 of its plain sampler, the draft's forwards) is then spread over the batch in the measured cost
 per verified token, where staggered probes (one or two per step) put all of it on one or two
-tokens. (c stays a price per token: at batch 16, where drafting costs mostly per step, it still
-undervalues long drafts; ``max_batch`` is the setting for that, measured per machine.) A new
-request starts from the acceptance this proposer has recently seen over all requests
+tokens. (c stays a price per token; ``max_batch`` caps drafting by batch size where a machine's
+crossover is known.) A new request starts from the acceptance this proposer has recently seen over all requests
 (``population_alpha``, an exponential average of every request's measured outcomes), and from
 ``initial_alpha`` before any outcome: a fixed start below the break-even α kept each new request
 at γ = 0 until its probes had raised its average (at batch 16 on the memory-bound pair, c ≈ 0.8
 against a start of 0.7: the first 16–24 of a 64-token request's steps went undrafted).
+
+In a batch (``cost_model`` mode), every request whose drafts pay at all drafts one common γ, the
+one best for the batch (Σ E(α_i, γ) / (1 + cγ)): the draft model forwards the whole batch once
+per position, so a step costs about what its longest draft costs. Draft costs are measured only in
+steps where every drafting request also drafted in the step before: after undrafted steps (γ = 0,
+a probe) the draft model first catches up on the tokens those steps emitted, which is not the
+price of a draft token. The step costs are plain means over the first 1/forgetting steps, so a
+slow first step does not weigh on them for long.
 
 Steps that admit a request are left out of the measured costs: its prompt was prefilled in the
 target step just before and is prefilled by the drafts in this call, which a decoding step does
@@ -44,9 +51,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.metrics import accepted_count
-from vllm_specplugin.stats.speedup import optimal_gamma
+from vllm_specplugin.stats.speedup import expected_tokens_per_step, optimal_gamma
 
 GAMMA_MODES = ("threshold", "cost_model")
 
@@ -95,16 +104,23 @@ class StepCostModel:
         self._moments = None  # E[x], E[y], E[xx], E[xy]
         self.slope = 0.0  # b: seconds per verified draft token
         self.draft_per_token: float | None = None  # d
+        self.draft_steps = 0
+
+    def _weight(self, count: int) -> float:
+        # The plain mean of the first 1/forgetting observations, then an exponential average: a
+        # fixed small weight from the first observation on would keep that one (often a slow,
+        # cold step) dominant for dozens of steps (at forgetting 0.05, 63% of it after 9 more).
+        return max(self.forgetting, 1.0 / count)
 
     def observe_target(self, draft_tokens: int, seconds: float) -> None:
         x, y = float(draft_tokens), seconds
         new = (x, y, x * x, x * y)
+        self.steps += 1
         if self._moments is None:
             self._moments = new
         else:
-            w = self.forgetting
+            w = self._weight(self.steps)
             self._moments = tuple((1 - w) * old + w * value for old, value in zip(self._moments, new))
-        self.steps += 1
         mean_x, mean_y, mean_xx, mean_xy = self._moments
         variance = mean_xx - mean_x**2
         if variance > 1e-6:  # keep the last slope while the draft length does not vary
@@ -113,8 +129,10 @@ class StepCostModel:
     def observe_draft(self, draft_tokens: int, seconds: float) -> None:
         if draft_tokens:
             per_token = seconds / draft_tokens
+            self.draft_steps += 1
             d = self.draft_per_token
-            self.draft_per_token = per_token if d is None else (1 - self.forgetting) * d + self.forgetting * per_token
+            w = self._weight(self.draft_steps)
+            self.draft_per_token = per_token if d is None else (1 - w) * d + w * per_token
 
     def cost_ratio(self, batch_size: int) -> float | None:
         """c for one request: (b + d) over its share of a step without drafts, a / batch."""
@@ -130,6 +148,7 @@ class _RequestState:
     gamma: int
     alpha: float
     pending: tuple[int, list[int]] | None = None  # (context length, drafted tokens) of the last draft
+    drafted_last_step: bool = True  # False: its draft model skipped the last step and must catch up
 
 
 class AdaptiveGamma(Proposer):
@@ -176,22 +195,30 @@ class AdaptiveGamma(Proposer):
         for request in requests:
             self._observe(request)
         back_off = self.policy.max_batch is not None and len(requests) > self.policy.max_batch
+        common = None
+        if self.policy.mode == "cost_model" and len(requests) > 1 and not back_off:
+            common = self._common_gamma(requests)
         chosen = []
         for request in requests:
-            gamma = 0 if back_off else min(request.gamma, self._choose(request))
+            gamma = 0 if back_off else min(request.gamma, self._choose(request, common))
             chosen.append(dataclasses.replace(request, gamma=gamma))
         if self.metrics is not None:
             self.metrics.backoff_steps += back_off
             for request in chosen:
                 self.metrics.gamma_chosen[request.gamma] = self.metrics.gamma_chosen.get(request.gamma, 0) + 1
+        # A request drafting after undrafted steps (a probe, a return from γ = 0) first forwards
+        # every token those steps emitted through its draft model: at batch 16 with probes every
+        # 8 steps that catch-up doubled the measured cost per draft token, which then kept γ at 0.
+        catching_up = any(r.gamma > 0 and not self._states[r.request_id].drafted_last_step for r in chosen)
         draft_started = self._clock()
         drafts = self.inner.propose(chosen)
         drafted = sum(len(d.token_ids) for d in drafts)
-        if not admitting:
+        if not admitting and not catching_up:
             self.step_costs.observe_draft(drafted, self._clock() - draft_started)
         for request, draft in zip(requests, drafts):
             state = self._states[request.request_id]
             state.pending = (len(request.context), list(draft.token_ids)) if draft.token_ids else None
+            state.drafted_last_step = bool(draft.token_ids)
         self._last_call_end = self._clock()
         self._last_ids = ids
         self._last_drafted = drafted
@@ -217,7 +244,30 @@ class AdaptiveGamma(Proposer):
         w = self.policy.population_weight
         self.population_alpha = (1 - w) * self.population_alpha + w * outcome
 
-    def _choose(self, request: DraftRequest) -> int:
+    def _step_cost_ratio(self) -> float:
+        return self._cost_ratio if self._cost_ratio is not None else 0.1  # until steps are measured
+
+    def _common_gamma(self, requests: Sequence[DraftRequest]) -> int | None:
+        """One draft length for every request of a batch whose drafts pay at all: the γ that
+        maximises the batch's expected tokens over its step cost, Σ E(α_i, γ) / (1 + cγ).
+
+        The draft model forwards the whole batch once per draft position, so a step costs about
+        what its longest draft costs; requests choosing their own γ (1 to 6 side by side at
+        batch 16) paid for six forwards and drafted on average three (1.06x plain where every
+        request at γ = 4 ran at 1.32x, served, same run)."""
+        cost = self._step_cost_ratio()
+        alphas = []
+        for request in requests:
+            alpha = min(self._states[request.request_id].alpha, 0.999)
+            if request.gamma >= 1 and optimal_gamma(alpha, cost, request.gamma) > 0:
+                alphas.append(alpha)
+        if not alphas:
+            return None
+        gammas = np.arange(1, max(r.gamma for r in requests) + 1)
+        tokens = sum(np.asarray(expected_tokens_per_step(a, gammas)) for a in alphas)
+        return int(gammas[int(np.argmax(tokens / (1.0 + cost * gammas)))])
+
+    def _choose(self, request: DraftRequest, common: int | None = None) -> int:
         state = self._states[request.request_id]
         gamma_max = request.gamma
         policy = self.policy
@@ -229,8 +279,10 @@ class AdaptiveGamma(Proposer):
                 state.gamma -= 1
             state.gamma = max(floor, min(state.gamma, gamma_max))
         else:
-            cost = self._cost_ratio if self._cost_ratio is not None else 0.1  # until steps are measured
+            cost = self._step_cost_ratio()
             best = optimal_gamma(min(state.alpha, 0.999), cost, gamma_max) if gamma_max >= 1 else 0
+            if best > 0 and common is not None:
+                best = min(common, gamma_max)
             state.gamma = max(floor, best)
         if state.gamma > 0:
             return state.gamma

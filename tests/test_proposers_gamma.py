@@ -237,3 +237,90 @@ def test_cost_model_leaves_out_steps_that_admit_a_request():
             clock.now += prefill
     assert proposer.step_costs.slope == pytest.approx(b, rel=0.05)
     assert proposer.cost_ratio == pytest.approx((b + d) / (a / batch), rel=0.1)
+
+
+def test_step_cost_model_is_not_held_by_its_first_observations():
+    """The first step a server drafts is slow (cold caches, a first forward): with a fixed small
+    weight from the start it stayed most of the measured d for dozens of steps. The first
+    1/forgetting observations are averaged plainly, so nine steady ones outweigh it."""
+    from vllm_specplugin.proposers.gamma import StepCostModel
+
+    model = StepCostModel(forgetting=0.05)
+    d = 0.0005
+    model.observe_draft(16, 16 * 10 * d)  # one cold step at ten times the steady cost
+    model.observe_target(16, 0.05)
+    for _ in range(9):
+        model.observe_draft(16, 16 * d)
+        model.observe_target(0, 0.03)
+    assert model.draft_per_token == pytest.approx(1.9 * d)  # the plain mean of the ten
+    assert model._moments[1] == pytest.approx((0.05 + 9 * 0.03) / 10)
+
+
+def test_cost_model_leaves_out_draft_catch_up_after_undrafted_steps():
+    """A request that did not draft for some steps (γ = 0, then a probe) first forwards the
+    tokens of those steps through its draft model. That catch-up is not the price of a draft
+    token: served at batch 16 it doubled the measured d and kept every request at γ = 0."""
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    class CatchingUp(_ClockedProposer):
+        def __init__(self, clock, d, catch_up):
+            super().__init__(clock, d, prefill=0.0)
+            self.catch_up, self.calls, self.last_drafted = catch_up, 0, {}
+
+        def propose(self, requests):
+            self.calls += 1
+            for request in requests:
+                if request.gamma:
+                    skipped = self.calls - self.last_drafted.get(request.request_id, self.calls - 1) - 1
+                    self.clock.now += self.catch_up * skipped
+                    self.last_drafted[request.request_id] = self.calls
+            return super().propose(requests)
+
+    clock = Clock()
+    a, b, d, batch = 0.03, 0.0005, 0.0005, 16
+    proposer = AdaptiveGamma(CatchingUp(clock, d, catch_up=0.002),
+                             GammaPolicy(mode="cost_model", gamma_min=0), clock=clock)
+    live = {f"r{i}": [3] * 30 for i in range(batch)}
+    chosen = []
+    for _ in range(80):  # every draft rejected: down to γ = 0, then a probe every 8 steps
+        drafts = proposer.propose([DraftRequest(rid, ctx, 6) for rid, ctx in live.items()])
+        drafted = sum(len(x.token_ids) for x in drafts)
+        chosen.append(drafted)
+        clock.now += a + b * drafted
+        for rid in live:
+            live[rid] = live[rid] + [7]
+    assert chosen[-16:].count(0) == 14  # at γ = 0 with its probes: catch-ups happened
+    assert proposer.step_costs.draft_per_token == pytest.approx(d, rel=1e-6)
+
+
+def test_cost_model_gives_a_batch_one_common_draft_length(runtime):
+    """The draft forwards the whole batch once per position, so a step costs about what its
+    longest draft costs: every request whose drafts pay drafts the γ that is best for the batch
+    (Σ E(α_i, γ) / (1 + cγ)); one whose drafts do not pay at all sits out (γ = 0)."""
+    from vllm_specplugin.stats.speedup import expected_tokens_per_step, optimal_gamma
+
+    c = 0.5
+    proposer = AdaptiveGamma(EnsembleProposer([runtime]),
+                             GammaPolicy(mode="cost_model", gamma_min=0, cost_ratio=c, probe_every=1000))
+    rng = np.random.default_rng(6)
+    contexts = {rid: rng.integers(3, 4096, 12).tolist() for rid in ("good", "fair", "poor")}
+    step(proposer, contexts, 6, accept=True)
+    alphas = {"good": 0.965, "fair": 0.79, "poor": 0.37}
+    for rid, alpha in alphas.items():
+        proposer._states[rid].alpha, proposer._states[rid].pending = alpha, None
+    own = {rid: optimal_gamma(alpha, c, 6) for rid, alpha in alphas.items()}
+    assert own == {"good": 6, "fair": 2, "poor": 0}  # what each would choose alone
+    gammas = np.arange(1, 7)
+    batch_best = 1 + int(np.argmax((expected_tokens_per_step(0.965, gammas) + expected_tokens_per_step(0.79, gammas))
+                                   / (1 + c * gammas)))
+    assert batch_best == 3
+    assert step(proposer, contexts, 6, accept=True) == {"good": 3, "fair": 3, "poor": 0}
+    # Alone, a request still drafts its own best γ.
+    alone = {"good": contexts["good"]}
+    proposer._states["good"].alpha, proposer._states["good"].pending = 0.965, None
+    assert step(proposer, alone, 6, accept=True) == {"good": 6}
