@@ -301,7 +301,8 @@ def test_cost_model_leaves_out_draft_catch_up_after_undrafted_steps():
 def test_cost_model_gives_a_batch_one_common_draft_length(runtime):
     """The draft forwards the whole batch once per position, so a step costs about what its
     longest draft costs: every request whose drafts pay drafts the γ that is best for the batch
-    (Σ E(α_i, γ) / (1 + cγ)); one whose drafts do not pay at all sits out (γ = 0)."""
+    (Σ E(α_i, γ) / (1 + cγ)); one whose drafts do not pay at all stays at γ = 0 and probes with
+    one token in every step (the batch's forwards run anyway), not every probe_every-th."""
     from vllm_specplugin.stats.speedup import expected_tokens_per_step, optimal_gamma
 
     c = 0.5
@@ -319,8 +320,53 @@ def test_cost_model_gives_a_batch_one_common_draft_length(runtime):
     batch_best = 1 + int(np.argmax((expected_tokens_per_step(0.965, gammas) + expected_tokens_per_step(0.79, gammas))
                                    / (1 + c * gammas)))
     assert batch_best == 3
-    assert step(proposer, contexts, 6, accept=True) == {"good": 3, "fair": 3, "poor": 0}
+    assert step(proposer, contexts, 6, accept=True) == {"good": 3, "fair": 3, "poor": 1}
+    assert proposer.gamma_of("poor") == 0  # a probe: its γ stays 0 until its α says otherwise
     # Alone, a request still drafts its own best γ.
     alone = {"good": contexts["good"]}
     proposer._states["good"].alpha, proposer._states["good"].pending = 0.965, None
     assert step(proposer, alone, 6, accept=True) == {"good": 6}
+
+
+def test_step_costs_are_measured_per_batch_size_class():
+    """The draft forwards a batch together: a forward costs about the same for 1 row or 16, so a
+    draft token costs 16 times less at batch 16. Costs measured at batch 1 must not price batch 16
+    (they did: c read 0.85 at batch 16 on the memory-bound pair, about twice its own cost)."""
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    class BatchedDraft(_ClockedProposer):
+        def propose(self, requests):
+            self.clock.now += self.d * max(r.gamma for r in requests)  # one forward per position
+            saved, self.d = self.d, 0.0
+            try:
+                return super().propose(requests)
+            finally:
+                self.d = saved
+
+    clock = Clock()
+    forward, b = 0.004, 0.0005
+    proposer = AdaptiveGamma(BatchedDraft(clock, forward, prefill=0.0),
+                             GammaPolicy(mode="cost_model", gamma_min=0), clock=clock)
+    plain = {}
+    for batch in (1, 16):
+        live = {f"b{batch}-{i}": [3] * 30 for i in range(batch)}
+        plain[batch] = 0.01 + 0.001 * batch
+        for i in range(30):
+            budget = 2 + 2 * (i % 2)  # the drafted length varies, so the verification slope shows
+            drafts = proposer.propose([DraftRequest(rid, ctx, budget) for rid, ctx in live.items()])
+            drafts_made = [x.token_ids for x in drafts]
+            clock.now += plain[batch] + b * sum(len(t) for t in drafts_made)
+            for rid, tokens in zip(live, drafts_made):
+                live[rid] = live[rid] + list(tokens) + [9]  # every draft accepted
+    costs = proposer.step_costs_by_batch
+    assert set(costs) == {1, 16}
+    assert costs[1].draft_per_token == pytest.approx(forward, rel=1e-6)
+    assert costs[16].draft_per_token == pytest.approx(forward / 16, rel=1e-6)
+    assert costs[16].slope == pytest.approx(b, rel=1e-3)
+    assert proposer.cost_ratio == pytest.approx((b + forward / 16) / (plain[16] / 16), rel=1e-3)
+    assert AdaptiveGamma.batch_class(1) == 1 and AdaptiveGamma.batch_class(3) == 2 and AdaptiveGamma.batch_class(16) == 16
