@@ -216,12 +216,14 @@ class AdaptiveGamma(Proposer):
         for request in requests:
             self._observe(request)
         back_off = self.policy.max_batch is not None and len(requests) > self.policy.max_batch
-        common = None
-        if self.policy.mode == "cost_model" and len(requests) > 1 and not back_off:
-            common = self._common_gamma(requests)
+        own_best, common = {}, None
+        if self.policy.mode == "cost_model" and not back_off:
+            own_best = {r.request_id: self._own_best(r) for r in requests}
+            if len(requests) > 1:
+                common = self._common_gamma(requests, own_best)
         chosen = []
         for request in requests:
-            gamma = 0 if back_off else min(request.gamma, self._choose(request, common))
+            gamma = 0 if back_off else min(request.gamma, self._choose(request, own_best.get(request.request_id), common))
             chosen.append(dataclasses.replace(request, gamma=gamma))
         if self.metrics is not None:
             self.metrics.backoff_steps += back_off
@@ -269,7 +271,12 @@ class AdaptiveGamma(Proposer):
     def _step_cost_ratio(self) -> float:
         return self._cost_ratio if self._cost_ratio is not None else 0.1  # until steps are measured
 
-    def _common_gamma(self, requests: Sequence[DraftRequest]) -> int | None:
+    def _own_best(self, request: DraftRequest) -> int:
+        """The cost model's γ for this request alone (0 when no γ pays)."""
+        alpha = min(self._states[request.request_id].alpha, 0.999)
+        return optimal_gamma(alpha, self._step_cost_ratio(), request.gamma) if request.gamma >= 1 else 0
+
+    def _common_gamma(self, requests: Sequence[DraftRequest], own_best: dict[str, int]) -> int | None:
         """One draft length for every request of a batch whose drafts pay at all: the γ that
         maximises the batch's expected tokens over its step cost, Σ E(α_i, γ) / (1 + cγ).
 
@@ -278,18 +285,16 @@ class AdaptiveGamma(Proposer):
         batch 16) paid for six forwards and drafted on average three (1.06x plain where every
         request at γ = 4 ran at 1.32x, served, same run)."""
         cost = self._step_cost_ratio()
-        alphas = []
-        for request in requests:
-            alpha = min(self._states[request.request_id].alpha, 0.999)
-            if request.gamma >= 1 and optimal_gamma(alpha, cost, request.gamma) > 0:
-                alphas.append(alpha)
+        alphas = [min(self._states[r.request_id].alpha, 0.999) for r in requests if own_best[r.request_id] > 0]
         if not alphas:
             return None
         gammas = np.arange(1, max(r.gamma for r in requests) + 1)
         tokens = sum(np.asarray(expected_tokens_per_step(a, gammas)) for a in alphas)
         return int(gammas[int(np.argmax(tokens / (1.0 + cost * gammas)))])
 
-    def _choose(self, request: DraftRequest, common: int | None = None) -> int:
+    def _choose(self, request: DraftRequest, own_best: int | None = None, common: int | None = None) -> int:
+        """``own_best``: :meth:`_own_best` of this request (cost_model mode); ``common``: the
+        batch's γ from :meth:`_common_gamma`, or None alone or when no request's drafts pay."""
         state = self._states[request.request_id]
         gamma_max = request.gamma
         policy = self.policy
@@ -301,8 +306,7 @@ class AdaptiveGamma(Proposer):
                 state.gamma -= 1
             state.gamma = max(floor, min(state.gamma, gamma_max))
         else:
-            cost = self._step_cost_ratio()
-            best = optimal_gamma(min(state.alpha, 0.999), cost, gamma_max) if gamma_max >= 1 else 0
+            best = own_best
             if best > 0 and common is not None:
                 best = min(common, gamma_max)
             state.gamma = max(floor, best)
