@@ -6,7 +6,11 @@ with an exponential moving average and picks γ for the next step:
 - ``threshold`` mode (the default rule): γ + 1 when α > ``raise_above``, γ − 1 when
   α < ``lower_below``, within [``gamma_min``, γ_max];
 - ``cost_model`` mode: the γ in [0, γ_max] that maximises the expected speedup
-  (1 − α^(γ+1)) / ((1 − α)(1 + cγ)). c is configured, or measured while serving by
+  E(γ) / (1 + cγ). E(γ), the expected tokens per step, comes from acceptance by draft position
+  over all requests (:class:`PositionAcceptance`; acceptance comes in runs, which the i.i.d.
+  (1 − α^(γ+1)) / (1 − α) underestimates at large γ), each position's log-odds moved by how far
+  the request's own α is from the population's; with no positions measured yet it is the i.i.d.
+  form at the request's α. c is configured, or measured while serving by
   :class:`StepCostModel`: the cost of one more draft token for this request (drafting it, plus
   verifying it: the target step grows with the tokens it verifies, which the classic model
   ignores and which dominates on a compute-bound CPU) over the request's share of a step without
@@ -58,7 +62,7 @@ import numpy as np
 
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.metrics import accepted_count
-from vllm_specplugin.stats.speedup import expected_tokens_per_step, optimal_gamma
+from vllm_specplugin.stats.speedup import expected_tokens_by_position
 
 GAMMA_MODES = ("threshold", "cost_model")
 
@@ -146,6 +150,52 @@ class StepCostModel:
         return (self.slope + self.draft_per_token) / (base / max(batch_size, 1))
 
 
+def _logit(p):
+    p = np.clip(np.asarray(p, dtype=np.float64), 1e-3, 1 - 1e-3)
+    return np.log(p) - np.log1p(-p)
+
+
+class PositionAcceptance:
+    """Acceptance by draft position over all requests: ``conditional[k - 1]`` estimates
+    P(position k accepted | positions 1..k−1 accepted), an exponential average (plain over the
+    first 1/weight observations) of every tested position's outcome.
+
+    Acceptance comes in runs: once a draft has a few tokens accepted the next is likelier
+    accepted. On the memory-bound demo pair at γ = 6 (batch 1, T = 0) the positions' acceptance
+    was 0.99, 0.98, 0.94, 0.89, 0.86, 0.85 (6.51 tokens per step) where the per-token α of 0.918
+    predicts 5.55: a model with one α prices the last positions at 0.6 and chooses γ too short.
+
+    ``weight`` 0.01 (about the last 100 outcomes of a position): rates near 1 move by the weight
+    at each rejection, and at 0.05 one or two rejections took a position's estimate from 0.99 to
+    0.87 (simulated, seed 11). A request's own recent acceptance enters through its α (see
+    :meth:`AdaptiveGamma.expected_tokens`), so this population curve may change slowly."""
+
+    def __init__(self, weight: float = 0.01):
+        self.weight = weight
+        self.rates: list[float] = []  # conditional acceptance of positions 1, 2, ...
+        self.counts: list[int] = []  # outcomes seen per position
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One verified draft: ``drafted`` tokens, of which the first ``accepted`` were accepted
+        (positions after the first rejection were not tested)."""
+        for k in range(min(drafted, accepted + 1)):
+            outcome = 1.0 if k < accepted else 0.0
+            if k == len(self.rates):
+                self.rates.append(outcome)
+                self.counts.append(1)
+                continue
+            self.counts[k] += 1
+            w = max(self.weight, 1.0 / self.counts[k])
+            self.rates[k] = (1 - w) * self.rates[k] + w * outcome
+
+    def conditional(self, positions: int, fallback: float) -> np.ndarray:
+        """Estimates for positions 1..``positions`` (shape [positions], float64): a position never
+        tested takes the deepest tested position's rate, or ``fallback`` when none was."""
+        known = self.rates[:positions]
+        fill = known[-1] if known else fallback
+        return np.array(known + [fill] * (positions - len(known)), dtype=np.float64)
+
+
 @dataclass
 class _RequestState:
     gamma: int
@@ -175,6 +225,7 @@ class AdaptiveGamma(Proposer):
         self._last_batch_class = 1
         self._calls = 0  # propose calls so far: requests at γ = 0 probe together every probe_every-th
         self.population_alpha = policy.initial_alpha  # recent acceptance over all requests; a new one starts here
+        self.position_acceptance = PositionAcceptance()
 
     @staticmethod
     def batch_class(batch_size: int) -> int:
@@ -218,9 +269,11 @@ class AdaptiveGamma(Proposer):
         back_off = self.policy.max_batch is not None and len(requests) > self.policy.max_batch
         own_best, common = {}, None
         if self.policy.mode == "cost_model" and not back_off:
-            own_best = {r.request_id: self._own_best(r) for r in requests}
+            longest = max(r.gamma for r in requests)
+            tokens = {r.request_id: self.expected_tokens(r.request_id, longest) for r in requests}
+            own_best = {r.request_id: self._own_best(tokens[r.request_id][: r.gamma + 1]) for r in requests}
             if len(requests) > 1:
-                common = self._common_gamma(requests, own_best)
+                common = self._common_gamma(requests, tokens, own_best)
         chosen = []
         for request in requests:
             gamma = 0 if back_off else min(request.gamma, self._choose(request, own_best.get(request.request_id), common))
@@ -267,30 +320,46 @@ class AdaptiveGamma(Proposer):
         state.alpha = (1 - weight) * state.alpha + weight * outcome
         w = self.policy.population_weight
         self.population_alpha = (1 - w) * self.population_alpha + w * outcome
+        self.position_acceptance.observe(len(drafted), accepted)
 
     def _step_cost_ratio(self) -> float:
         return self._cost_ratio if self._cost_ratio is not None else 0.1  # until steps are measured
 
-    def _own_best(self, request: DraftRequest) -> int:
-        """The cost model's γ for this request alone (0 when no γ pays)."""
-        alpha = min(self._states[request.request_id].alpha, 0.999)
-        return optimal_gamma(alpha, self._step_cost_ratio(), request.gamma) if request.gamma >= 1 else 0
+    def expected_tokens(self, request_id: str, gamma_max: int) -> np.ndarray:
+        """Expected tokens per step of this request for γ = 0..``gamma_max`` (shape
+        [gamma_max + 1], float64): the population's acceptance by position, each position's
+        log-odds moved by how far this request's α is from the population's (a request like the
+        average one gets the population's curve; one that is often rejected, a lower one)."""
+        shift = _logit(self._states[request_id].alpha) - _logit(self.population_alpha)
+        rates = self.position_acceptance.conditional(gamma_max, fallback=self.population_alpha)
+        return expected_tokens_by_position(1.0 / (1.0 + np.exp(-(_logit(rates) + shift))))
 
-    def _common_gamma(self, requests: Sequence[DraftRequest], own_best: dict[str, int]) -> int | None:
+    def _own_best(self, tokens: np.ndarray) -> int:
+        """The cost model's γ for a request alone, from its :meth:`expected_tokens` for
+        γ = 0..γ_max: the γ ≥ 1 with the highest E(γ) / (1 + cγ), or 0 when none beats 1
+        (ties to the smaller γ)."""
+        if len(tokens) < 2:
+            return 0
+        gammas = np.arange(1, len(tokens))
+        speedups = tokens[1:] / (1.0 + self._step_cost_ratio() * gammas)
+        best = int(np.argmax(speedups))
+        return int(gammas[best]) if speedups[best] > 1.0 else 0
+
+    def _common_gamma(self, requests: Sequence[DraftRequest], tokens: dict[str, np.ndarray],
+                      own_best: dict[str, int]) -> int | None:
         """One draft length for every request of a batch whose drafts pay at all: the γ that
-        maximises the batch's expected tokens over its step cost, Σ E(α_i, γ) / (1 + cγ).
+        maximises the batch's expected tokens over its step cost, Σ E_i(γ) / (1 + cγ).
 
         The draft model forwards the whole batch once per draft position, so a step costs about
         what its longest draft costs; requests choosing their own γ (1 to 6 side by side at
         batch 16) paid for six forwards and drafted on average three (1.06x plain where every
         request at γ = 4 ran at 1.32x, served, same run)."""
-        cost = self._step_cost_ratio()
-        alphas = [min(self._states[r.request_id].alpha, 0.999) for r in requests if own_best[r.request_id] > 0]
-        if not alphas:
+        paying = [tokens[r.request_id] for r in requests if own_best[r.request_id] > 0]
+        if not paying:
             return None
-        gammas = np.arange(1, max(r.gamma for r in requests) + 1)
-        tokens = sum(np.asarray(expected_tokens_per_step(a, gammas)) for a in alphas)
-        return int(gammas[int(np.argmax(tokens / (1.0 + cost * gammas)))])
+        gammas = np.arange(1, len(paying[0]))
+        total = np.sum(paying, axis=0)[1:]
+        return int(gammas[int(np.argmax(total / (1.0 + self._step_cost_ratio() * gammas)))])
 
     def _choose(self, request: DraftRequest, own_best: int | None = None, common: int | None = None) -> int:
         """``own_best``: :meth:`_own_best` of this request (cost_model mode); ``common``: the

@@ -73,3 +73,15 @@ def test_tokens_increasing_in_alpha_and_gamma(a, b, g):
     assert expected_tokens_per_step(hi, g) >= expected_tokens_per_step(lo, g) - 1e-12
     assert expected_tokens_per_step(a, g + 1) >= expected_tokens_per_step(a, g) - 1e-12
     assert 1.0 <= expected_tokens_per_step(a, g) <= g + 1 + 1e-9
+
+
+def test_expected_tokens_by_position():
+    from vllm_specplugin.stats.speedup import expected_tokens_by_position
+
+    # Equal rates: the i.i.d. form, for every γ up to the last position.
+    np.testing.assert_allclose(expected_tokens_by_position([0.8] * 5), expected_tokens_per_step(0.8, np.arange(6)))
+    # By hand: 1, 1 + 0.9, 1 + 0.9 + 0.9 * 0.5.
+    np.testing.assert_allclose(expected_tokens_by_position([0.9, 0.5]), [1.0, 1.9, 2.35])
+    assert expected_tokens_by_position([]).tolist() == [1.0]  # γ = 0 only
+    with pytest.raises(ValueError):
+        expected_tokens_by_position([0.5, 1.2])
