@@ -372,16 +372,19 @@ def test_step_costs_are_measured_per_batch_size_class():
     assert AdaptiveGamma.batch_class(1) == 1 and AdaptiveGamma.batch_class(3) == 2 and AdaptiveGamma.batch_class(16) == 16
 
 
-def _run_correlated_acceptance(proposer, clock, conditional, steps: int, seed: int) -> list[int]:
+def _run_correlated_acceptance(proposer, clock, conditional, steps: int, seed: int,
+                               first_step: list[float] | None = None) -> list[int]:
     """Batch 1: each step a draft's position k is accepted with probability ``conditional[k-1]``
-    given the positions before it were; returns the γ chosen in every step."""
+    given the positions before it were (``first_step`` in place of it in the first step); returns
+    the γ chosen in every step."""
     rng = np.random.default_rng(seed)
     context, chosen = [3] * 30, []
-    for _ in range(steps):
+    for index in range(steps):
         (draft,) = proposer.propose([DraftRequest("r", context, len(conditional))])
         gamma = len(draft.token_ids)
+        rates = first_step if index == 0 and first_step is not None else conditional
         accepted = 0
-        while accepted < gamma and rng.random() < conditional[accepted]:
+        while accepted < gamma and rng.random() < rates[accepted]:
             accepted += 1
         context = context + list(draft.token_ids[:accepted]) + [7]
         clock.now += 0.01
@@ -419,3 +422,67 @@ def test_cost_model_prices_long_drafts_by_acceptance_per_position():
     # After the first 50 steps γ = 6 in at least 95% of steps and never below 4 (seed 11: 98.4%,
     # min 4; the i.i.d. model at the request's α: 88%, min 1).
     assert np.mean(np.array(chosen[50:]) == 6) >= 0.95 and min(chosen[50:]) >= 4
+
+
+def test_cost_model_recovers_from_a_rejected_first_test_of_a_position():
+    """Served, the warm-up's first draft (γ = 4 at the initial α, before c was measured) had its
+    third position rejected; that one outcome set the position's estimate to 0, the controller
+    drafted γ = 2 from then on, and a position not drafted is never tested again: 1.41x plain for
+    the whole run where γ = 6 ran at 2.24x. The estimate starts from a prior and the controller
+    explores one position beyond its γ, so γ must climb back to 6."""
+    conditional = [0.99, 0.99, 0.959, 0.947, 0.966, 0.988]
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    # c measured after 8 steps: 3 ms of drafting per token over a 10 ms step, c = 0.3.
+    proposer = AdaptiveGamma(_ClockedProposer(clock, 0.003, prefill=0.0),
+                             GammaPolicy(mode="cost_model", gamma_min=0), clock=clock)
+    chosen = _run_correlated_acceptance(proposer, clock, conditional, steps=400, seed=11,
+                                        first_step=[1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    assert chosen[0] == 4  # the served warm-up's first γ
+    assert proposer.cost_ratio == pytest.approx(0.3, rel=0.05)
+    # seed 11: γ = 6 in 98.5% of steps 200-400; without the prior and the exploration, 0%
+    # (γ = 2 from the second step on).
+    assert np.mean(np.array(chosen[200:]) == 6) >= 0.9, np.bincount(chosen)
+
+
+def test_cost_model_explores_one_position_beyond_its_gamma():
+    """A position is tested only where it is drafted: one whose estimate fell to where drafting
+    it does not pay must still be drafted every probe_every steps, or it never recovers."""
+    conditional = [0.99, 0.99, 0.959, 0.947, 0.966, 0.988]
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    proposer = AdaptiveGamma(_ClockedProposer(clock, 0.0, prefill=0.0),
+                             GammaPolicy(mode="cost_model", gamma_min=0, cost_ratio=0.3, initial_alpha=0.95),
+                             clock=clock)
+    acceptance = proposer.position_acceptance
+    acceptance.rates, acceptance.counts = [0.99, 0.99, 0.0], [20, 20, 4]  # three early rejections
+    chosen = _run_correlated_acceptance(proposer, clock, conditional, steps=400, seed=11)
+    assert chosen[0] == 2
+    assert 3 in chosen[: proposer.policy.probe_every]  # explored within probe_every steps
+    # seed 11: γ = 6 in 99% of steps 200-400; without exploration γ = 2 in every step.
+    assert np.mean(np.array(chosen[200:]) == 6) >= 0.9, np.bincount(chosen)
+
+
+def test_position_acceptance_starts_from_the_prior():
+    """A position's first outcome does not alone set its estimate (one rejection set it to 0)."""
+    from vllm_specplugin.proposers.gamma import PositionAcceptance
+
+    acceptance = PositionAcceptance()  # the controller's defaults: weight 0.01, 2 pseudo-outcomes
+    acceptance.observe(drafted=4, accepted=2, prior=0.75)
+    np.testing.assert_allclose(acceptance.rates, [(1.5 + 1) / 3, (1.5 + 1) / 3, 1.5 / 3])
+    for _ in range(500):
+        acceptance.observe(drafted=3, accepted=3, prior=0.75)
+    assert min(acceptance.rates) > 0.99  # the prior fades: after 1/weight outcomes, weight 0.01
+    np.testing.assert_allclose(acceptance.conditional(5, fallback=0.5), acceptance.rates + [acceptance.rates[-1]] * 2)

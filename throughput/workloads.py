@@ -50,7 +50,10 @@ def repetitive_code_prompts(count: int) -> list[str]:
 
 
 def unpredictable_prompts(count: int, length: int = 48, vocab_size: int = 4096, seed: int = 0) -> list[list[int]]:
-    """Unpredictable input: random token ids (drafts and target rarely agree on what follows)."""
+    """Random token ids as prompts. The small family's drafts agree with its target less after
+    them; the memory-bound family's distilled draft does not (offline, γ 4, 48 tokens, 4 prompts:
+    α 0.975 at T = 0 and 0.92 at T = 1, against 0.914 / 0.956 on held-out code), so on that pair
+    they are not a low-acceptance workload."""
     import numpy as np
 
     rng = np.random.default_rng(seed)

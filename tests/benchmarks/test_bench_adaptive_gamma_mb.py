@@ -1,7 +1,12 @@
-"""Adaptive γ against every fixed γ on the memory-bound family, in one run: a mixed workload
-(repeated code, where the draft agrees with the target, and random tokens, where it does not) at
-batch 1, and held-out prompts at batch 16, where speculation stops paying on this CPU (fixed
-γ = 4 measured 0.86x plain) and adaptive γ must back off to at least plain decoding's speed."""
+"""Adaptive γ against every fixed γ on the memory-bound family, in one run: repeated code and
+random-token prompts at batch 1, and held-out prompts at batch 16.
+
+On this pair the distilled draft agrees with the target on every prompt class measured (offline
+α 0.88–0.98 at T 0–2 on repeated code, random tokens and held-out code), so at batch 1 γ = 6 (the
+largest) is best for every request and adaptive γ can at most match it: the batch-1 rows test
+that the controller finds γ = 6 and keeps it. At batch 16 the cost of verification decides, and
+fixed γ = 4 has measured anywhere from 0.86x to 1.32x plain on this machine; adaptive γ must
+track that without a per-machine setting."""
 
 from __future__ import annotations
 
