@@ -80,7 +80,7 @@ class GammaPolicy:
     ema_weight: float = 0.3  # weight of the newest step in the acceptance average
     max_batch: int | None = None  # back-off: no drafting in steps with more requests than this
     cost_ratio: float | None = None  # c for cost_model; None: measured while serving
-    probe_every: int = 8  # at γ = 0, draft γ = 1 every this many steps to measure α again
+    probe_every: int = 8  # at γ = 0, draft γ = 1 every this many steps (cost_model: at 1 ≤ γ < k, γ + 1)
     initial_alpha: float = 0.7  # a new request's acceptance estimate before any outcome was seen
     population_weight: float = 0.05  # weight of each measured outcome in the population's average α
 
