@@ -32,7 +32,8 @@ against a start of 0.7: the first 16–24 of a 64-token request's steps went und
 
 Acceptance of a position is measured only where it is drafted, so a position whose estimate
 fell below what pays would never be tested again: every ``probe_every``-th step each request
-drafting 1 ≤ γ < γ_max drafts γ + 1 (``cost_model`` mode).
+drafting 1 ≤ γ < γ_max drafts γ + 1 (``cost_model`` mode), until position γ + 1 has been tested
+1/weight (100) times.
 
 In a batch (``cost_model`` mode), every request whose drafts pay at all drafts one common γ, the
 one best for the batch (Σ E(α_i, γ) / (1 + cγ)): the draft model forwards the whole batch once
@@ -199,6 +200,11 @@ class PositionAcceptance:
             w = max(self.weight, 1.0 / self.counts[k])
             self.rates[k] = (1 - w) * self.rates[k] + w * outcome
 
+    def settled(self, position: int) -> bool:
+        """Whether position ``position`` (1-based) has been tested 1/weight times, after which its
+        estimate is an exponential average rather than the plain mean of a few outcomes."""
+        return position <= len(self.counts) and self.counts[position - 1] >= 1.0 / self.weight
+
     def conditional(self, positions: int, fallback: float) -> np.ndarray:
         """Estimates for positions 1..``positions`` (shape [positions], float64): a position never
         tested takes the deepest tested position's rate, or ``fallback`` when none was."""
@@ -287,12 +293,15 @@ class AdaptiveGamma(Proposer):
                 common = self._common_gamma(requests, tokens, own_best)
         # Exploration: a position is tested only when drafted, so one whose estimate fell (a
         # rejection in its first tests) would never be drafted again; every probe_every-th step
-        # each drafting request drafts one position more than the model chose.
+        # each drafting request drafts one position more than the model chose, until that
+        # position has been tested 1/weight times (where γ stays low, a draft position more in
+        # one step of eight is a lasting cost for what is then a settled estimate).
         explore = self.policy.mode == "cost_model" and self._calls % self.policy.probe_every == 0
         chosen = []
         for request in requests:
             gamma = 0 if back_off else min(request.gamma, self._choose(request, own_best.get(request.request_id), common))
-            if explore and 0 < gamma < request.gamma and self._states[request.request_id].gamma > 0:
+            if (explore and 0 < gamma < request.gamma and self._states[request.request_id].gamma > 0
+                    and not self.position_acceptance.settled(gamma + 1)):
                 gamma += 1
             chosen.append(dataclasses.replace(request, gamma=gamma))
         if self.metrics is not None:

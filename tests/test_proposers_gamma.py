@@ -486,3 +486,28 @@ def test_position_acceptance_starts_from_the_prior():
         acceptance.observe(drafted=3, accepted=3, prior=0.75)
     assert min(acceptance.rates) > 0.99  # the prior fades: after 1/weight outcomes, weight 0.01
     np.testing.assert_allclose(acceptance.conditional(5, fallback=0.5), acceptance.rates + [acceptance.rates[-1]] * 2)
+
+
+def test_cost_model_stops_exploring_a_settled_position():
+    """Exploration costs a draft position in one step of probe_every; once the position beyond γ
+    has been tested 1/weight times its estimate is settled and the extra position is no longer
+    drafted. Here γ = 1 is best (positions accepted with 0.7, then 0.3; c = 0.3: E / (1 + cγ)
+    1.31 at γ = 1, 1.19 at γ = 2)."""
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    proposer = AdaptiveGamma(_ClockedProposer(clock, 0.0, prefill=0.0),
+                             GammaPolicy(mode="cost_model", gamma_min=0, cost_ratio=0.3, initial_alpha=0.7),
+                             clock=clock)
+    chosen = np.array(_run_correlated_acceptance(proposer, clock, [0.7, 0.3, 0.3, 0.3], steps=2000, seed=3))
+    every = proposer.policy.probe_every
+    exploring = np.arange(len(chosen)) % every == every - 1  # the probe_every-th calls
+    early, late = exploring & (np.arange(len(chosen)) < 400), exploring & (np.arange(len(chosen)) >= 1500)
+    assert np.mean(chosen[early] >= 2) >= 0.8  # explored: γ = 1 drafted as 2
+    assert proposer.position_acceptance.settled(2)
+    # and stopped (seed 3: 94% of those steps explored early, γ = 1 in 86% late; 0% without the check)
+    assert np.mean(chosen[late] == 1) >= 0.5
