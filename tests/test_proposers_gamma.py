@@ -172,6 +172,15 @@ def test_threshold_mode_at_gamma_zero_probes_and_comes_back(runtime):
     assert recovered[-1] == 6
 
 
+class _Clock:
+    """A synthetic clock (seconds, float) that tests advance by hand."""
+
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
 class _ClockedProposer:
     """A drafter on a synthetic clock: drafting costs ``d`` per token, and a request's first
     draft also prefills its prompt (``prefill`` seconds), as the plugin's drafts do."""
@@ -208,13 +217,7 @@ def test_cost_model_leaves_out_steps_that_admit_a_request():
     prompt is prefilled by the target (the step before) and by the drafts (this call). Those
     steps are not decoding steps: the measured c must be the decoding steps' (b + d) / (a / B)."""
 
-    class Clock:
-        now = 0.0
-
-        def __call__(self):
-            return self.now
-
-    clock = Clock()
+    clock = _Clock()
     a, b, d, batch, prefill = 0.008, 0.0004, 0.0002, 4, 0.02
     proposer = AdaptiveGamma(_ClockedProposer(clock, d, prefill),
                              GammaPolicy(mode="cost_model", gamma_min=0, probe_every=2), clock=clock)
@@ -261,12 +264,6 @@ def test_cost_model_leaves_out_draft_catch_up_after_undrafted_steps():
     tokens of those steps through its draft model. That catch-up is not the price of a draft
     token: served at batch 16 it doubled the measured d and kept every request at γ = 0."""
 
-    class Clock:
-        now = 0.0
-
-        def __call__(self):
-            return self.now
-
     class CatchingUp(_ClockedProposer):
         def __init__(self, clock, d, catch_up):
             super().__init__(clock, d, prefill=0.0)
@@ -281,7 +278,7 @@ def test_cost_model_leaves_out_draft_catch_up_after_undrafted_steps():
                     self.last_drafted[request.request_id] = self.calls
             return super().propose(requests)
 
-    clock = Clock()
+    clock = _Clock()
     a, b, d, batch = 0.03, 0.0005, 0.0005, 16
     proposer = AdaptiveGamma(CatchingUp(clock, d, catch_up=0.002),
                              GammaPolicy(mode="cost_model", gamma_min=0), clock=clock)
@@ -333,12 +330,6 @@ def test_step_costs_are_measured_per_batch_size_class():
     draft token costs 16 times less at batch 16. Costs measured at batch 1 must not price batch 16
     (they did: c read 0.85 at batch 16 on the memory-bound pair, about twice its own cost)."""
 
-    class Clock:
-        now = 0.0
-
-        def __call__(self):
-            return self.now
-
     class BatchedDraft(_ClockedProposer):
         def propose(self, requests):
             self.clock.now += self.d * max(r.gamma for r in requests)  # one forward per position
@@ -348,7 +339,7 @@ def test_step_costs_are_measured_per_batch_size_class():
             finally:
                 self.d = saved
 
-    clock = Clock()
+    clock = _Clock()
     forward, b = 0.004, 0.0005
     proposer = AdaptiveGamma(BatchedDraft(clock, forward, prefill=0.0),
                              GammaPolicy(mode="cost_model", gamma_min=0), clock=clock)
@@ -370,6 +361,10 @@ def test_step_costs_are_measured_per_batch_size_class():
     assert costs[16].slope == pytest.approx(b, rel=1e-3)
     assert proposer.cost_ratio == pytest.approx((b + forward / 16) / (plain[16] / 16), rel=1e-3)
     assert AdaptiveGamma.batch_class(1) == 1 and AdaptiveGamma.batch_class(3) == 2 and AdaptiveGamma.batch_class(16) == 16
+
+
+# Conditional acceptance by draft position served on the memory-bound pair at γ = 6 (batch 1, T = 0).
+SERVED_CONDITIONAL = [0.99, 0.99, 0.959, 0.947, 0.966, 0.988]
 
 
 def _run_correlated_acceptance(proposer, clock, conditional, steps: int, seed: int,
@@ -402,18 +397,12 @@ def test_cost_model_prices_long_drafts_by_acceptance_per_position():
     learn the positions' acceptance from what it verifies and keep γ = 6."""
     from vllm_specplugin.stats.speedup import expected_tokens_by_position
 
-    conditional = [0.99, 0.99, 0.959, 0.947, 0.966, 0.988]
+    conditional = SERVED_CONDITIONAL
     tokens = expected_tokens_by_position(conditional)
     speedups = tokens[1:] / (1 + 0.3 * np.arange(1, 7))
     assert int(np.argmax(speedups)) + 1 == 6 and tokens[6] == pytest.approx(6.5, abs=0.02)
 
-    class Clock:
-        now = 0.0
-
-        def __call__(self):
-            return self.now
-
-    clock = Clock()
+    clock = _Clock()
     proposer = AdaptiveGamma(_ClockedProposer(clock, 0.0, prefill=0.0),
                              GammaPolicy(mode="cost_model", gamma_min=0, cost_ratio=0.3), clock=clock)
     chosen = _run_correlated_acceptance(proposer, clock, conditional, steps=300, seed=11)
@@ -430,15 +419,9 @@ def test_cost_model_recovers_from_a_rejected_first_test_of_a_position():
     drafted γ = 2 from then on, and a position not drafted is never tested again: 1.41x plain for
     the whole run where γ = 6 ran at 2.24x. The estimate starts from a prior and the controller
     explores one position beyond its γ, so γ must climb back to 6."""
-    conditional = [0.99, 0.99, 0.959, 0.947, 0.966, 0.988]
+    conditional = SERVED_CONDITIONAL
 
-    class Clock:
-        now = 0.0
-
-        def __call__(self):
-            return self.now
-
-    clock = Clock()
+    clock = _Clock()
     # c measured after 8 steps: 3 ms of drafting per token over a 10 ms step, c = 0.3.
     proposer = AdaptiveGamma(_ClockedProposer(clock, 0.003, prefill=0.0),
                              GammaPolicy(mode="cost_model", gamma_min=0), clock=clock)
@@ -454,15 +437,9 @@ def test_cost_model_recovers_from_a_rejected_first_test_of_a_position():
 def test_cost_model_explores_one_position_beyond_its_gamma():
     """A position is tested only where it is drafted: one whose estimate fell to where drafting
     it does not pay must still be drafted every probe_every steps, or it never recovers."""
-    conditional = [0.99, 0.99, 0.959, 0.947, 0.966, 0.988]
+    conditional = SERVED_CONDITIONAL
 
-    class Clock:
-        now = 0.0
-
-        def __call__(self):
-            return self.now
-
-    clock = Clock()
+    clock = _Clock()
     proposer = AdaptiveGamma(_ClockedProposer(clock, 0.0, prefill=0.0),
                              GammaPolicy(mode="cost_model", gamma_min=0, cost_ratio=0.3, initial_alpha=0.95),
                              clock=clock)
@@ -493,20 +470,14 @@ def test_cost_model_stops_exploring_a_settled_position():
     has been tested 1/weight times its estimate is settled and the extra position is no longer
     drafted. Here γ = 1 is best (positions accepted with 0.7, then 0.3; c = 0.3: E / (1 + cγ)
     1.31 at γ = 1, 1.19 at γ = 2)."""
-    class Clock:
-        now = 0.0
-
-        def __call__(self):
-            return self.now
-
-    clock = Clock()
+    clock = _Clock()
     proposer = AdaptiveGamma(_ClockedProposer(clock, 0.0, prefill=0.0),
                              GammaPolicy(mode="cost_model", gamma_min=0, cost_ratio=0.3, initial_alpha=0.7),
                              clock=clock)
     chosen = np.array(_run_correlated_acceptance(proposer, clock, [0.7, 0.3, 0.3, 0.3], steps=2000, seed=3))
-    every = proposer.policy.probe_every
-    exploring = np.arange(len(chosen)) % every == every - 1  # the probe_every-th calls
-    early, late = exploring & (np.arange(len(chosen)) < 400), exploring & (np.arange(len(chosen)) >= 1500)
+    every, step = proposer.policy.probe_every, np.arange(len(chosen))
+    exploring = step % every == every - 1  # the probe_every-th calls
+    early, late = exploring & (step < 400), exploring & (step >= 1500)
     assert np.mean(chosen[early] >= 2) >= 0.8  # explored: γ = 1 drafted as 2
     assert proposer.position_acceptance.settled(2)
     # and stopped (seed 3: 94% of those steps explored early, γ = 1 in 86% late; 0% without the check)
