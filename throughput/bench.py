@@ -83,6 +83,11 @@ class WorkloadResult:
     step_time_s: float | None = None
     propose_calls: float | None = None
     plugin: dict = field(default_factory=dict)  # every specplugin counter's change over the workload
+    phases: list[int] = field(default_factory=list)  # concurrency of each phase (run_phases); batch is the largest
+
+    @property
+    def batch_label(self) -> str:
+        return "→".join(map(str, self.phases)) if self.phases else str(self.batch)
 
     @property
     def tokens_per_s(self) -> float:
@@ -116,8 +121,8 @@ class WorkloadResult:
         """r: this configuration's target time per step (drafting excluded) over a plain decoding
         step at the same batch. The Leviathan model assumes r = 1 (verifying γ + 1 tokens costs
         one step); on a compute-bound CPU it does not."""
-        if not plain_tokens_per_s or self.draft_time_fraction is None or not self.drafts:
-            return None
+        if not plain_tokens_per_s or self.draft_time_fraction is None or not self.drafts or self.phases:
+            return None  # (phases of different concurrency have no one plain step to compare with)
         step = self.batch * self.mean_accepted_length / self.tokens_per_s
         return step * (1 - self.draft_time_fraction) / (self.batch / plain_tokens_per_s)
 
@@ -193,6 +198,46 @@ def run_workload(
     return result
 
 
+def run_phases(
+    server: VllmServer,
+    config: ServedConfig,
+    phases: list[tuple[list, int]],
+    *,
+    temperature: float,
+    max_tokens: int,
+) -> WorkloadResult:
+    """Phases of (prompts, concurrency) one after another, as one workload: traffic whose load
+    changes (a quiet phase at concurrency 1, a burst, quiet again), where the γ that pays changes
+    with it. Tokens, time and every counter are summed over the phases."""
+    parts = [
+        run_workload(server, config, prompts, batch=batch, temperature=temperature, max_tokens=max_tokens)
+        for prompts, batch in phases
+    ]
+    return combine_phases(parts)
+
+
+def combine_phases(parts: list[WorkloadResult]) -> WorkloadResult:
+    """One result for phases run one after another: tokens, time and counters summed (so its
+    tokens/s is the whole run's), ``batch`` the largest concurrency, ``phases`` each one's."""
+
+    def total(name: str):
+        values = [getattr(p, name) for p in parts]
+        return None if any(v is None for v in values) else sum(values)
+
+    first = parts[0]
+    longest = max(len(p.accepted_per_position) for p in parts)
+    return WorkloadResult(
+        first.config, max(p.batch for p in parts), first.temperature, total("output_tokens"), total("wall_s"),
+        first.gamma, drafts=total("drafts"), draft_tokens=total("draft_tokens"),
+        accepted_tokens=total("accepted_tokens"),
+        accepted_per_position=[sum(p.accepted_per_position[i] for p in parts if i < len(p.accepted_per_position))
+                               for i in range(longest)],
+        draft_time_s=total("draft_time_s"), step_time_s=total("step_time_s"), propose_calls=total("propose_calls"),
+        plugin={key: sum(p.plugin.get(key, 0) for p in parts) for p in parts for key in p.plugin},
+        phases=[p.batch for p in parts],
+    )
+
+
 def _position_labels(samples: dict[str, float]) -> list[str]:
     prefix = "vllm:spec_decode_num_accepted_tokens_per_pos_total{"
     labels = [key[len(prefix):-1] for key in samples if key.startswith(prefix)]
@@ -213,7 +258,7 @@ def format_table(results: list[WorkloadResult], baseline: dict[tuple[int, float]
             "[" + ", ".join(f"{a / r.drafts:.2f}" for a in r.accepted_per_position) + "]" if r.drafts else "-"
         )
         lines.append(
-            f"| {r.config} | {r.batch} | {r.temperature:g} | {r.tokens_per_s:.1f} | {speedup} "
+            f"| {r.config} | {r.batch_label} | {r.temperature:g} | {r.tokens_per_s:.1f} | {speedup} "
             f"| {r.mean_accepted_length:.2f} | {_fmt(r.alpha)} | {per_position} | {_fmt(r.draft_time_fraction, '.0%')} "
             f"| {_fmt(r.cost_ratio)} | {_fmt(r.leviathan_bound(), '.2f', 'x')} | {_fmt(r.verify_cost_ratio(plain), '.2f')} |"
         )
@@ -270,25 +315,32 @@ def benchmark_throughput(benchmark, results, served, prompts, *, batch: int, tem
 
 
 def benchmark_workload(
-    benchmark, results, served, prompts, *, batch: int, temperature: float, max_tokens: int, rounds: int | None = None
+    benchmark, results, served, prompts=None, *, batch: int | None = None, temperature: float, max_tokens: int,
+    rounds: int | None = None, phases: list[tuple[list, int]] | None = None,
 ):
     """Time a workload with pytest-benchmark and record its fastest round with its cost model.
 
+    The workload is ``prompts`` at concurrency ``batch``, or ``phases`` (:func:`run_phases`).
     Several rounds (``BENCH_ROUNDS``, default 3) because a 2-core machine shared with other jobs
     is noisy; the fastest round is the least disturbed one (pytest-benchmark's ``min``).
     """
+    if (phases is None) == (prompts is None and batch is None) or (phases is None and None in (prompts, batch)):
+        raise ValueError("give either prompts and batch, or phases")
     config, server = served
     rounds = rounds or int(os.environ.get("BENCH_ROUNDS", "3"))
     outcomes: list[WorkloadResult] = []
 
     def workload():
-        outcomes.append(
-            run_workload(server, config, prompts, batch=batch, temperature=temperature, max_tokens=max_tokens)
-        )
+        if phases is None:
+            outcome = run_workload(server, config, prompts, batch=batch, temperature=temperature, max_tokens=max_tokens)
+        else:
+            outcome = run_phases(server, config, phases, temperature=temperature, max_tokens=max_tokens)
+        outcomes.append(outcome)
 
     benchmark.pedantic(workload, rounds=rounds, iterations=1)
     result = max(outcomes, key=lambda r: r.tokens_per_s)
     record_benchmark(benchmark, results, result)
     benchmark.extra_info["rounds_tokens_per_s"] = [round(r.tokens_per_s, 1) for r in outcomes]
-    assert all(r.output_tokens == len(prompts) * max_tokens for r in outcomes)  # nobody lost tokens
+    requests = len(prompts) if phases is None else sum(len(p) for p, _ in phases)
+    assert all(r.output_tokens == requests * max_tokens for r in outcomes)  # nobody lost tokens
     return result
