@@ -35,6 +35,12 @@ fell below what pays would never be tested again: every ``probe_every``-th step 
 drafting 1 ≤ γ < γ_max drafts γ + 1 (``cost_model`` mode), until position γ + 1 has been tested
 1/weight (100) times.
 
+The slope b is measured only where the number of verified draft tokens varies; at a constant γ
+it does not, and b would stay 0 (c the draft's cost alone). So each batch-size class starts with
+slope probes: halfway between explorations (``probe_every``-th calls, offset by half), every
+drafting request drafts half its γ, until that class has seen 8 steps whose draft count differed
+from its average (``StepCostModel.slope_measured``). A configured ``cost_ratio`` needs none.
+
 In a batch (``cost_model`` mode), every request whose drafts pay at all drafts one common γ, the
 one best for the batch (Σ E(α_i, γ) / (1 + cγ)): the draft model forwards the whole batch once
 per position, so a step costs about what its longest draft costs. A request whose drafts do not
@@ -109,10 +115,12 @@ class StepCostModel:
     squares over recent steps, exponentially forgotten), and draft time d per draft token."""
 
     MIN_STEPS = 8
+    MIN_VARIED_STEPS = 8  # steps whose draft count differed from the average: enough to measure b
 
     def __init__(self, forgetting: float = 0.05):
         self.forgetting = forgetting
         self.steps = 0
+        self.varied_steps = 0  # steps with D at least a quarter (and one token) away from the average
         self._moments = None  # E[x], E[y], E[xx], E[xy]
         self.slope = 0.0  # b: seconds per verified draft token
         self.draft_per_token: float | None = None  # d
@@ -131,12 +139,20 @@ class StepCostModel:
         if self._moments is None:
             self._moments = new
         else:
+            if abs(x - self._moments[0]) >= max(1.0, 0.25 * self._moments[0]):
+                self.varied_steps += 1
             w = self._weight(self.steps)
             self._moments = tuple((1 - w) * old + w * value for old, value in zip(self._moments, new))
         mean_x, mean_y, mean_xx, mean_xy = self._moments
         variance = mean_xx - mean_x**2
         if variance > 1e-6:  # keep the last slope while the draft length does not vary
             self.slope = max(0.0, (mean_xy - mean_x * mean_y) / variance)
+
+    @property
+    def slope_measured(self) -> bool:
+        """Whether the draft count has varied enough for b to be measured (while every step
+        verifies the same number of draft tokens, b is indistinguishable from the base a)."""
+        return self.varied_steps >= self.MIN_VARIED_STEPS
 
     def observe_draft(self, draft_tokens: int, seconds: float) -> None:
         if draft_tokens:
@@ -297,12 +313,22 @@ class AdaptiveGamma(Proposer):
         # position has been tested 1/weight times (where γ stays low, a draft position more in
         # one step of eight is a lasting cost for what is then a settled estimate).
         explore = self.policy.mode == "cost_model" and self._calls % self.policy.probe_every == 0
+        # Slope probe: with γ constant every step verifies the same number of draft tokens, and
+        # the verification cost per token b cannot be told from the step's base cost (served at
+        # batch 32-48 it kept b at 0, c at the draft cost alone, and γ at 5-6 where every γ ran
+        # below plain). Halfway between explorations, each drafting request drafts half its γ
+        # until this batch-size class has seen enough steps of a different draft count.
+        slope_probe = (self.policy.mode == "cost_model" and self.policy.cost_ratio is None and not back_off
+                       and self._calls % self.policy.probe_every == self.policy.probe_every // 2
+                       and not self._costs(batch_class).slope_measured)
         chosen = []
         for request in requests:
             gamma = 0 if back_off else min(request.gamma, self._choose(request, own_best.get(request.request_id), common))
             if (explore and 0 < gamma < request.gamma and self._states[request.request_id].gamma > 0
                     and not self.position_acceptance.settled(gamma + 1)):
                 gamma += 1
+            elif slope_probe and gamma > 1:
+                gamma //= 2
             chosen.append(dataclasses.replace(request, gamma=gamma))
         if self.metrics is not None:
             self.metrics.backoff_steps += back_off

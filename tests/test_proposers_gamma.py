@@ -482,3 +482,46 @@ def test_cost_model_stops_exploring_a_settled_position():
     assert proposer.position_acceptance.settled(2)
     # and stopped (seed 3: 94% of those steps explored early, γ = 1 in 86% late; 0% without the check)
     assert np.mean(chosen[late] == 1) >= 0.5
+
+
+def test_cost_model_measures_the_verification_cost_at_a_constant_gamma():
+    """With γ constant every step verifies the same number of draft tokens, so the step's cost
+    per verified token b cannot be told from its base cost: served at batch 32-48 on the
+    memory-bound pair the slope stayed 0, c was the draft's cost alone (0.07) and γ stayed at 5-6
+    where every fixed γ ran at 0.87-0.99x plain. Here verification is what stops paying (a 16 ms
+    plain step for 16 requests, b = 1.2 ms per verified draft token, drafting nearly free: c =
+    1.25, where no γ pays: E / (1 + cγ) 0.88 at γ = 1, 0.85 at 2); the controller must measure b
+    and stop drafting."""
+
+    class BatchedDraft(_ClockedProposer):
+        def propose(self, requests):
+            self.clock.now += self.d * max(r.gamma for r in requests)  # one forward per position
+            saved, self.d = self.d, 0.0
+            try:
+                return super().propose(requests)
+            finally:
+                self.d = saved
+
+    clock = _Clock()
+    forward, plain, b = 0.0008, 0.016, 0.0012
+    proposer = AdaptiveGamma(BatchedDraft(clock, forward, prefill=0.0),
+                             GammaPolicy(mode="cost_model", gamma_min=0, initial_alpha=0.95), clock=clock)
+    rng = np.random.default_rng(5)
+    live = {f"r{i}": [3] * 30 for i in range(16)}
+    chosen = []
+    for _ in range(400):
+        drafts = proposer.propose([DraftRequest(rid, ctx, 6) for rid, ctx in live.items()])
+        clock.now += plain + b * sum(len(d.token_ids) for d in drafts)
+        for rid, draft in zip(list(live), drafts):
+            accepted = 0
+            while accepted < len(draft.token_ids) and rng.random() < SERVED_CONDITIONAL[accepted]:
+                accepted += 1
+            live[rid] = live[rid] + list(draft.token_ids[:accepted]) + [7]
+            chosen.append(len(draft.token_ids))
+    costs = proposer.step_costs_by_batch[16]
+    assert costs.slope_measured and costs.slope == pytest.approx(b, rel=0.05)
+    assert proposer.cost_ratio == pytest.approx((b + forward / 16) / (plain / 16), rel=0.05)
+    late = np.array(chosen[200 * 16:])
+    # seed 5: γ <= 1 in 100% of request-steps 200-400 (0 in 87.5%, the probes' 1 in the rest);
+    # without the slope probe the slope is never measured and γ = 6 in all of them.
+    assert np.mean(late <= 1) >= 0.9, np.bincount(late)

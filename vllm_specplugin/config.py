@@ -70,9 +70,10 @@ class SpecPluginConfig:
     # with any of mode ("threshold" | "cost_model"), gamma_min, raise_above, lower_below,
     # ema_weight, max_batch (no drafting above this batch size), cost_ratio (c; null: measured),
     # probe_every (8: at γ = 0, draft γ = 1 every this many steps; in cost_model at 1 ≤ γ < k,
-    # draft γ + 1), initial_alpha (0.7: a new request's α before any outcome; after, it starts
-    # from the average over recent requests), population_weight (0.05: each measured outcome's
-    # weight in that average).
+    # draft γ + 1, and halfway between, half of γ until the verification cost is measured),
+    # initial_alpha (0.7: a new request's α before any outcome; after, it starts from the
+    # average over recent requests), population_weight (0.05: each measured outcome's weight in
+    # that average).
     adaptive_gamma: dict | None = None
     # Tree drafting (proposers/tree.py): null, or an object with node_budget (16), branching (3),
     # max_depth (null: gamma for chain, ceil(node_budget / branching) for tree) and verify
