@@ -1,5 +1,6 @@
 """Adaptive γ against every fixed γ on the memory-bound family, in one run: repeated code and
-random-token prompts at batch 1, and held-out prompts at batch 16.
+random-token prompts at batch 1, held-out prompts at batch 16, and a bursty workload (concurrency
+1, then 48, then 1 again).
 
 On this pair the distilled draft agrees with the target on every prompt class measured (offline
 α 0.88–0.98 at T 0–2 on repeated code, random tokens and held-out code), so at batch 1 γ = 6 (the
@@ -36,9 +37,9 @@ WORKLOADS = {
     "heldout-batch16": (heldout_prompts(16), 16, 0.0),
 }
 # Load that changes: 4 requests one at a time, a burst of 48 at once, 4 one at a time again. γ = 6
-# pays alone and γ = 1 already loses at concurrency 32-48 (4 Dec: 0.90x / 0.93x plain), so no
-# fixed γ suits the whole run; adaptive γ must draft long when quiet, back off in the burst and
-# come back after it.
+# pays alone (2.1-2.5x plain); at concurrency 32-48 every fixed γ ran at 0.87-1.00x plain (4 Dec,
+# two runs), so adaptive γ must draft long when quiet, stop paying for drafts in the burst where
+# they do not pay, and come back after it.
 BURST = 48
 BURSTY_PHASES = [(heldout_prompts(8)[:4], 1), (heldout_prompts(BURST), BURST), (heldout_prompts(8)[4:], 1)]
 
