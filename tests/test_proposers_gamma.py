@@ -212,6 +212,19 @@ class _ClockedProposer:
         return set(self.seen)
 
 
+class _BatchedDraft(_ClockedProposer):
+    """The draft forwards a batch together: a step's drafting costs ``d`` per position of its
+    longest draft, whatever the number of rows."""
+
+    def propose(self, requests):
+        self.clock.now += self.d * max(r.gamma for r in requests)  # one forward per position
+        saved, self.d = self.d, 0.0
+        try:
+            return super().propose(requests)
+        finally:
+            self.d = saved
+
+
 def test_cost_model_leaves_out_steps_that_admit_a_request():
     """Served at concurrency 4 with short outputs, a request arrives every few steps and its
     prompt is prefilled by the target (the step before) and by the drafts (this call). Those
@@ -330,18 +343,9 @@ def test_step_costs_are_measured_per_batch_size_class():
     draft token costs 16 times less at batch 16. Costs measured at batch 1 must not price batch 16
     (they did: c read 0.85 at batch 16 on the memory-bound pair, about twice its own cost)."""
 
-    class BatchedDraft(_ClockedProposer):
-        def propose(self, requests):
-            self.clock.now += self.d * max(r.gamma for r in requests)  # one forward per position
-            saved, self.d = self.d, 0.0
-            try:
-                return super().propose(requests)
-            finally:
-                self.d = saved
-
     clock = _Clock()
     forward, b = 0.004, 0.0005
-    proposer = AdaptiveGamma(BatchedDraft(clock, forward, prefill=0.0),
+    proposer = AdaptiveGamma(_BatchedDraft(clock, forward, prefill=0.0),
                              GammaPolicy(mode="cost_model", gamma_min=0), clock=clock)
     plain = {}
     for batch in (1, 16):
@@ -367,6 +371,15 @@ def test_step_costs_are_measured_per_batch_size_class():
 SERVED_CONDITIONAL = [0.99, 0.99, 0.959, 0.947, 0.966, 0.988]
 
 
+def _accepted_run(rng, conditional, gamma: int) -> int:
+    """How many of a γ-token draft's positions are accepted: position k with probability
+    ``conditional[k-1]`` given the positions before it were."""
+    accepted = 0
+    while accepted < gamma and rng.random() < conditional[accepted]:
+        accepted += 1
+    return accepted
+
+
 def _run_correlated_acceptance(proposer, clock, conditional, steps: int, seed: int,
                                first_step: list[float] | None = None) -> list[int]:
     """Batch 1: each step a draft's position k is accepted with probability ``conditional[k-1]``
@@ -378,9 +391,7 @@ def _run_correlated_acceptance(proposer, clock, conditional, steps: int, seed: i
         (draft,) = proposer.propose([DraftRequest("r", context, len(conditional))])
         gamma = len(draft.token_ids)
         rates = first_step if index == 0 and first_step is not None else conditional
-        accepted = 0
-        while accepted < gamma and rng.random() < rates[accepted]:
-            accepted += 1
+        accepted = _accepted_run(rng, rates, gamma)
         context = context + list(draft.token_ids[:accepted]) + [7]
         clock.now += 0.01
         chosen.append(gamma)
@@ -493,18 +504,9 @@ def test_cost_model_measures_the_verification_cost_at_a_constant_gamma():
     1.25, where no γ pays: E / (1 + cγ) 0.88 at γ = 1, 0.85 at 2); the controller must measure b
     and stop drafting."""
 
-    class BatchedDraft(_ClockedProposer):
-        def propose(self, requests):
-            self.clock.now += self.d * max(r.gamma for r in requests)  # one forward per position
-            saved, self.d = self.d, 0.0
-            try:
-                return super().propose(requests)
-            finally:
-                self.d = saved
-
     clock = _Clock()
     forward, plain, b = 0.0008, 0.016, 0.0012
-    proposer = AdaptiveGamma(BatchedDraft(clock, forward, prefill=0.0),
+    proposer = AdaptiveGamma(_BatchedDraft(clock, forward, prefill=0.0),
                              GammaPolicy(mode="cost_model", gamma_min=0, initial_alpha=0.95), clock=clock)
     rng = np.random.default_rng(5)
     live = {f"r{i}": [3] * 30 for i in range(16)}
@@ -513,9 +515,7 @@ def test_cost_model_measures_the_verification_cost_at_a_constant_gamma():
         drafts = proposer.propose([DraftRequest(rid, ctx, 6) for rid, ctx in live.items()])
         clock.now += plain + b * sum(len(d.token_ids) for d in drafts)
         for rid, draft in zip(list(live), drafts):
-            accepted = 0
-            while accepted < len(draft.token_ids) and rng.random() < SERVED_CONDITIONAL[accepted]:
-                accepted += 1
+            accepted = _accepted_run(rng, SERVED_CONDITIONAL, len(draft.token_ids))
             live[rid] = live[rid] + list(draft.token_ids[:accepted]) + [7]
             chosen.append(len(draft.token_ids))
     costs = proposer.step_costs_by_batch[16]

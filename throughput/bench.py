@@ -233,7 +233,7 @@ def combine_phases(parts: list[WorkloadResult]) -> WorkloadResult:
         accepted_per_position=[sum(p.accepted_per_position[i] for p in parts if i < len(p.accepted_per_position))
                                for i in range(longest)],
         draft_time_s=total("draft_time_s"), step_time_s=total("step_time_s"), propose_calls=total("propose_calls"),
-        plugin={key: sum(p.plugin.get(key, 0) for p in parts) for p in parts for key in p.plugin},
+        plugin={key: sum(p.plugin.get(key, 0) for p in parts) for key in {k for p in parts for k in p.plugin}},
         phases=[p.batch for p in parts],
     )
 
@@ -324,7 +324,8 @@ def benchmark_workload(
     Several rounds (``BENCH_ROUNDS``, default 3) because a 2-core machine shared with other jobs
     is noisy; the fastest round is the least disturbed one (pytest-benchmark's ``min``).
     """
-    if (phases is None) == (prompts is None and batch is None) or (phases is None and None in (prompts, batch)):
+    given = (prompts is not None, batch is not None)
+    if given != ((False, False) if phases is not None else (True, True)):
         raise ValueError("give either prompts and batch, or phases")
     config, server = served
     rounds = rounds or int(os.environ.get("BENCH_ROUNDS", "3"))

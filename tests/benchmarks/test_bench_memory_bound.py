@@ -3,8 +3,9 @@
 The 31.5 M target's fp32 weights (126 MB) do not fit this CPU's 32 MB L3, so a plain step streams
 them from memory; verifying γ + 1 tokens reuses that one pass. Served configurations, in one run
 (plain first, so every ratio has its baseline from the same minutes): vLLM's own draft_model
-with the distilled draft (with and without async scheduling, which vLLM denies custom_class), the plugin with the same draft and γ (the like-for-like comparison), the
-plugin's best configuration (adaptive γ by the measured cost model) and a two-draft ensemble; the
+with the distilled draft (with and without async scheduling, which vLLM denies custom_class),
+the plugin with the same draft and γ (the like-for-like comparison), the plugin's best
+configuration (adaptive γ by the measured cost model) and a two-draft ensemble; the
 same draft on torch's kernels (``draft_kernels: torch``, the draft path before vLLM's CPU kernels) and
 in bfloat16 (the checkpoint's own dtype; vLLM's draft_model runs it in the target's float32), with
 and without the drafts' one-row fast path (``draft_fast_path``).
