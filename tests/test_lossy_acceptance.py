@@ -307,3 +307,79 @@ def test_lossy_counters_reach_the_metrics_collector(tmp_path, monkeypatch):
     assert samples[("specplugin:lossy_only_accepted_tokens", "lenient")] == 2
     assert samples[("specplugin:lossy_accepted_tokens", "typical")] == 0
     assert metrics.read_snapshots(prefix="worker") == []  # the proposer's snapshots are apart
+
+
+# -- isolation between requests (issue 29 items 1 and 7) ---------------------------------------
+
+
+def fake_runner(requests: dict, order: list[str]):
+    """What step_rows reads of vLLM's GPUModelRunner: the config, the batch's request ids, the live requests."""
+    vllm_config = types.SimpleNamespace(speculative_config=types.SimpleNamespace(rejection_sample_method="standard"),
+                                        additional_config={})
+    return types.SimpleNamespace(vllm_config=vllm_config, requests=requests,
+                                 input_batch=types.SimpleNamespace(req_ids=order))
+
+
+def request(extra_args):
+    return types.SimpleNamespace(sampling_params=types.SimpleNamespace(extra_args=extra_args))
+
+
+def test_a_reused_request_id_does_not_inherit_the_finished_requests_rule():
+    """A lenient request "r" finishes; a new exact request reuses the id "r" (a client's X-Request-Id
+    with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1): it must be verified exactly. (Before the fix the
+    rule was cached by id and the second call still returned lenient 0.2.)"""
+    lenient = {"specplugin_acceptance": "lenient", "specplugin_lenience": 0.2}
+    runner = fake_runner({"r": request(lenient), "s": request(None)}, ["r", "s"])
+    assert la.step_rows(runner) == [la.Acceptance("lenient", lenience=0.2), None]
+    runner.requests = {"s": runner.requests["s"]}  # "r" finished
+    runner.input_batch.req_ids = ["s"]
+    assert la.step_rows(runner) is None
+    runner.requests = {"s": runner.requests["s"], "r": request(None)}  # a new request, same id
+    runner.input_batch.req_ids = ["s", "r"]
+    assert la.step_rows(runner) is None
+    # ... even when the id is reused while the cache still holds it (no step in between)
+    runner.requests = {"r": request(lenient)}
+    runner.input_batch.req_ids = ["r"]
+    assert la.step_rows(runner) == [la.Acceptance("lenient", lenience=0.2)]
+    runner.requests = {"r": request({"specplugin_acceptance": "exact"})}
+    assert la.step_rows(runner) is None
+    assert set(runner._specplugin_lossy_state.cache) == {"r"}  # finished ids are dropped
+
+
+def test_unseeded_lossy_rows_leave_torchs_global_stream_alone(rs):
+    """Lossy rows of unseeded requests draw from the runner's own generator: after a step with
+    lossy rows, torch's global generator is where the same step without them leaves it."""
+    rows = 60
+    step = [la.Acceptance("lenient", lenience=0.3) if i % 2 else None for i in range(rows)]
+    la._local.generator = torch.Generator().manual_seed(7)
+    try:
+        out, state = call(rs, rows, step, seed=8)
+    finally:
+        la._local.generator = None
+    alone, state_alone = call(rs, rows, None, seed=8)
+    assert torch.equal(state, state_alone)
+    assert not torch.equal(out[1::2], alone[1::2])  # the lossy rows were recomputed
+
+
+def test_a_failing_lossy_step_leaves_every_row_exact(rs, monkeypatch):
+    """When the lossy rule fails on some row, the log says every row was verified exactly: it must be
+    true, so no row may have been rewritten before the failure."""
+    rows = 40
+    step = [la.Acceptance("lenient", lenience=0.3)] * rows
+    real, calls = la.verify_row, []
+
+    def fail_late(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == rows // 2:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(la, "verify_row", fail_late)
+    la._local.generator = torch.Generator().manual_seed(3)
+    try:
+        out, _ = call(rs, rows, step, seed=9)
+    finally:
+        la._local.generator = None
+    alone, _ = call(rs, rows, None, seed=9)
+    assert len(calls) == rows // 2
+    assert torch.equal(out, alone)

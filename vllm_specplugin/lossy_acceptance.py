@@ -415,20 +415,33 @@ class _RunnerState:
     def __init__(self, runner):
         self.server = _server_acceptance(runner.vllm_config)
         self.problem = engine_problem(runner.vllm_config)
-        self.cache: dict[str, Acceptance | None] = {}
+        # req_id -> (the live request object the rule was parsed from, its lossy rule or None).
+        # Keyed on the object, not only the id: a client may reuse an id (vLLM keeps ids as given
+        # with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1), and a finished request's rule must never
+        # reach the next request that carries its id.
+        self.cache: dict[str, tuple[Any, Acceptance | None]] = {}
+        # Lossy rows of unseeded requests draw from this generator, never from torch's global one,
+        # so a lossy request cannot shift the random stream of the exact rows that follow it.
+        self.generator = torch.Generator().manual_seed(0x5EC5A)
+
+
+def _runner_state(runner) -> _RunnerState:
+    state = getattr(runner, "_specplugin_lossy_state", None)
+    if state is None:
+        state = runner._specplugin_lossy_state = _RunnerState(runner)
+    return state
 
 
 def step_rows(runner) -> list[Acceptance | None] | None:
     """Per batch row the lossy rule of its request (None: exact); None when no row is lossy."""
-    state = getattr(runner, "_specplugin_lossy_state", None)
-    if state is None:
-        state = runner._specplugin_lossy_state = _RunnerState(runner)
+    state = _runner_state(runner)
     if state.problem is not None:
         return None
     rows, any_lossy = [], False
     for req_id in runner.input_batch.req_ids:
-        if req_id not in state.cache:
-            request = runner.requests.get(req_id)
+        request = runner.requests.get(req_id)
+        cached = state.cache.get(req_id)
+        if cached is None or cached[0] is not request:
             extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
             try:
                 setting = request_setting(extra, state.server)
@@ -436,12 +449,11 @@ def step_rows(runner) -> list[Acceptance | None] | None:
                 log_once("warning", f"specplugin: request {req_id} has invalid acceptance settings ({exc}); "
                                     "verifying it exactly")
                 setting = state.server.default
-            state.cache[req_id] = setting if setting.lossy else None
-            if len(state.cache) > 4 * max(64, len(runner.requests)):
-                state.cache = {k: v for k, v in state.cache.items() if k in runner.requests}
-        setting = state.cache.get(req_id)
-        rows.append(setting)
-        any_lossy = any_lossy or setting is not None
+            cached = state.cache[req_id] = (request, setting if setting.lossy else None)
+        rows.append(cached[1])
+        any_lossy = any_lossy or cached[1] is not None
+    if len(state.cache) > len(runner.requests):  # drop finished requests (and their objects)
+        state.cache = {k: v for k, v in state.cache.items() if k in runner.requests}
     return rows if any_lossy else None
 
 
@@ -450,10 +462,11 @@ def _sample_with_rows(original):
         if spec_decode_metadata is None:
             return original(self, logits, spec_decode_metadata)
         _local.rows = step_rows(self)
+        _local.generator = _runner_state(self).generator
         try:
             return original(self, logits, spec_decode_metadata)
         finally:
-            _local.rows = None
+            _local.rows = _local.generator = None
 
     return _sample
 
@@ -468,22 +481,29 @@ def _lossy_rejection_sample(original):
         output = original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                           target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
         try:
-            apply_lossy_rows(output, rows, num_draft_tokens, draft_token_ids, draft_probs, target_logits,
-                             bonus_token_ids, sampling_metadata)
+            lossy = lossy_row_outputs(rows, num_draft_tokens, draft_token_ids, draft_probs, target_logits,
+                                      bonus_token_ids, sampling_metadata, getattr(_local, "generator", None))
         except Exception:
-            # vLLM's (exact) result stands for every row.
-            logger.exception("specplugin: lossy acceptance failed in this step; its rows were verified exactly")
+            # Nothing was written yet (rows are computed first, written after): vLLM's exact result
+            # stands for every row of this step.
+            logger.exception("specplugin: lossy acceptance failed in this step; every row of it was "
+                             "verified exactly")
+            return output
+        write_lossy_rows(output, lossy)
         return output
 
     return rejection_sample
 
 
-def apply_lossy_rows(output: torch.Tensor, rows, num_draft_tokens: list[int], draft_token_ids: torch.Tensor,
-                     draft_probs: torch.Tensor | None, target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
-                     sampling_metadata) -> None:
-    """Recompute the lossy rows of ``output`` [batch, max_spec_len + 1] (int32) in place."""
+def lossy_row_outputs(rows, num_draft_tokens: list[int], draft_token_ids: torch.Tensor,
+                      draft_probs: torch.Tensor | None, target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
+                      sampling_metadata, fallback_generator: torch.Generator | None = None) -> list[tuple]:
+    """The lossy rows' results, computed without touching vLLM's output: a list of
+    (row, setting, emitted token ids, drafted, accepted, lossy-only accepted). Unseeded rows draw
+    from ``fallback_generator`` (the runner's own, never torch's global generator)."""
     temperature = sampling_metadata.temperature
     generators = sampling_metadata.generators
+    results = []
     start = 0
     for row, (setting, n) in enumerate(zip(rows, num_draft_tokens)):
         begin, start = start, start + n
@@ -499,10 +519,19 @@ def apply_lossy_rows(output: torch.Tensor, rows, num_draft_tokens: list[int], dr
         else:
             q = draft_probs[begin:start].double().cpu()
         generator = generators.get(row)
+        if generator is None:
+            generator = fallback_generator
         draws = torch.rand(n + 1, dtype=torch.float64, generator=generator,
                            device=generator.device if generator is not None else "cpu").cpu()
         emitted, accepted, lossy_only = verify_row(p, q, draft, setting, draws[:n], float(draws[n]),
                                                    int(bonus_token_ids[row].reshape(-1)[0]))
+        results.append((row, setting, emitted, n, accepted, lossy_only))
+    return results
+
+
+def write_lossy_rows(output: torch.Tensor, results: list[tuple]) -> None:
+    """Write :func:`lossy_row_outputs`' rows into ``output`` [batch, max_spec_len + 1] (int32) and count them."""
+    for row, setting, emitted, n, accepted, lossy_only in results:
         line = output[row]
         line.fill_(-1)
         line[: len(emitted)] = torch.tensor(emitted, dtype=line.dtype, device=line.device)

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from vllm_specplugin.server import VllmServer
+from vllm_specplugin.server import VllmServer, metric_total
 from vllm_specplugin.verification.check import analyse, decide
 from vllm_specplugin.verification.drivers import REPO_ROOT, SamplingConfig, request_seed
 from vllm_specplugin.verification.reference import TargetReference
@@ -42,6 +42,8 @@ def server():
                             "num_speculative_tokens": 3},
         additional_config={"specplugin": {"drafts": [os.path.join(DEMO, "draft-distill")]}},
         max_model_len=512, extra_args=["--max-num-seqs", "32"],
+        # Client ids kept as given (X-Request-Id), so that a test can reuse one (issue 29 item 1).
+        extra_env={"VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"},
     )
     with server:
         yield server
@@ -75,6 +77,31 @@ def _sample(server, prompt_index: int, prompt: list[int], xargs: dict, first: in
         "return_token_ids": True, "seed": request_seed(seed_base, prompt_index, first, N), "vllm_xargs": xargs})
     assert response.status_code == 200, response.text[:500]
     return [choice["token_ids"] for choice in response.json()["choices"]]
+
+
+def test_a_reused_request_id_does_not_inherit_a_lenient_rule(server):
+    """A lenient request, then an exact one under the same client id (X-Request-Id; the server keeps
+    ids as given): the lossy counters move for the first and not at all for the second, which must
+    still be speculated (its drafts are counted by vLLM)."""
+    body = {"prompt": "def parse(line):\n    ", "max_tokens": 48, "temperature": 1.0, "ignore_eos": True,
+            "seed": 5}
+    key = 'specplugin:lossy_drafted_tokens_total{mode="lenient"}'
+    drafts = "vllm:spec_decode_num_draft_tokens_total"
+    before = server.settled_metrics("specplugin:lossy").get(key, 0)
+    response = httpx.post(server.base_url + "/v1/completions", headers={"X-Request-Id": "reused-id"},
+                          json={"model": TARGET, **body, "vllm_xargs": LOSSY}, timeout=600)
+    assert response.status_code == 200, response.text[:500]
+    after_lenient = server.settled_metrics("specplugin:lossy").get(key, 0)
+    assert after_lenient > before, "the lenient request was not counted as lossy"
+    drafted_before = metric_total(server.metrics("vllm:spec_decode"), drafts)
+    for xargs in (EXACT, None):  # explicitly exact, and the server's (exact) default
+        response = httpx.post(server.base_url + "/v1/completions", headers={"X-Request-Id": "reused-id"},
+                              json={"model": TARGET, **body, **({"vllm_xargs": xargs} if xargs else {})},
+                              timeout=600)
+        assert response.status_code == 200, response.text[:500]
+    assert server.settled_metrics("specplugin:lossy").get(key, 0) == after_lenient, \
+        "an exact request that reused a lenient request's id was verified leniently"
+    assert metric_total(server.metrics("vllm:spec_decode"), drafts) > drafted_before  # it was speculated
 
 
 @pytest.mark.extended  # a statistical test of two classes on a live server (make test-extended)
