@@ -113,3 +113,57 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """
     flat = probs.reshape(-1, probs.shape[-1])
     return sample_rows(flat, [generator] * flat.shape[0]).reshape(probs.shape[:-1])
+
+
+# -- the draft stream of a seeded request --------------------------------------------------------
+
+_MT_WORDS = 624  # mt19937's state: 624 32-bit words
+_MT_STATE_BYTES = slice(24, 24 + 8 * _MT_WORDS)  # in torch's CPU generator state (uint64 per word)
+
+
+def draft_generator(seed: int, device="cpu") -> torch.Generator:
+    """The generator a seeded request drafts from: reproducible from ``seed``, and never the stream
+    of the target's generator for any request seed.
+
+    vLLM gives a seeded request ``torch.Generator().manual_seed(seed)``. On the CPU that stream
+    depends only on ``seed % 2**32`` (torch's mt19937), so *any* ``manual_seed`` value is some
+    request's target stream (the old ``seed * 0x9E3779B1 + 1`` made seed 0 draft with seed 1's
+    numbers). Instead the 624 state words are filled from SHA-256 of the seed: such a state does
+    not satisfy mt19937's seeding recurrence, so it is no seeded state, and the chance that it lies
+    within 2**64 draws of one of the 2**32 seeded streams is below 2**-19800. On CUDA (Philox:
+    seed + offset) the draft stream starts at offset 2**62 of the seed's stream, which no request
+    reaches (untested without a GPU).
+    """
+    import hashlib
+
+    import numpy as np
+
+    seed_bytes = int(seed).to_bytes(16, "little", signed=True)
+    device = torch.device(device)
+    if device.type != "cpu":
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int.from_bytes(hashlib.sha256(b"specplugin-draft" + seed_bytes).digest()[:8], "little") >> 1)
+        generator.set_offset(1 << 62)
+        return generator
+    words = np.frombuffer(b"".join(hashlib.sha256(b"specplugin-draft" + seed_bytes + i.to_bytes(4, "little")).digest()
+                                   for i in range(_MT_WORDS // 8)), dtype="<u4").astype("<u8")
+    generator = torch.Generator().manual_seed(0)  # left = 1, next = 0: the first draw regenerates from the words
+    state = generator.get_state().clone()
+    state[_MT_STATE_BYTES] = torch.from_numpy(words.view(np.uint8).copy())
+    generator.set_state(state)
+    return generator
+
+
+def is_seeded_mt19937_state(generator: torch.Generator) -> bool:
+    """Whether a CPU generator's state words are those ``manual_seed`` makes (mt19937's recurrence
+    state[i] = 1812433253 * (state[i-1] ^ (state[i-1] >> 30)) + i, mod 2**32)."""
+    import numpy as np
+
+    words = generator.get_state()[_MT_STATE_BYTES].numpy().view("<u8").astype(np.uint64)
+    prev = int(words[0])
+    for i in range(1, _MT_WORDS):
+        expected = (1812433253 * (prev ^ (prev >> 30)) + i) & 0xFFFFFFFF
+        if int(words[i]) != expected:
+            return False
+        prev = expected
+    return True

@@ -384,3 +384,26 @@ def test_collector_exports_health_metrics(tmp_path, monkeypatch):
     assert samples["specplugin:nonfinite_draft_rows_total"] == 4
     assert samples["specplugin:draft_cache_evictions_total"] == 7
     assert samples["specplugin:draft_probs_buffer_bytes"] == 200
+
+
+def test_seeded_draft_streams_never_are_a_target_stream(adapter):
+    """Issue 29 item 5: vLLM samples a seeded request from manual_seed(seed), whose CPU stream depends
+    on seed % 2**32 only. A request's draft stream must be none of those: not its own seed's, not
+    another seed's (the old derivation seed * 0x9E3779B1 + 1 gave seed 0 the stream of seed 1), and
+    the same for the same seed (reproducible)."""
+    from vllm_specplugin.proposers.sampling import is_seeded_mt19937_state
+
+    seeds = list(range(64)) + [2**32 - 1, 2**32, 2**40 + 3, -1]
+    targets = {tuple(torch.rand(4, generator=torch.Generator().manual_seed(t)).tolist()): t
+               for t in range(-1, 300)}
+    drafts = set()
+    for seed in seeds:
+        generator = adapter._generator(f"seed-test-{seed}", seed)
+        assert not is_seeded_mt19937_state(generator), seed
+        draws = tuple(torch.rand(4, generator=generator).tolist())
+        assert draws not in targets, f"seed {seed} drafts with the target stream of seed {targets[draws]}"
+        drafts.add(draws)
+        again = adapter._generators.pop(f"seed-test-{seed}") and adapter._generator(f"seed-test-{seed}-2", seed)
+        assert tuple(torch.rand(4, generator=again).tolist()) == draws
+        adapter._generators.pop(f"seed-test-{seed}-2")
+    assert len(drafts) == len(seeds)  # distinct seeds, distinct draft streams (2**32 apart included)

@@ -24,6 +24,7 @@ import numpy as np
 from vllm_specplugin.config import SpecPluginConfig
 from vllm_specplugin.logging_utils import get_logger
 from vllm_specplugin.proposers.base import Proposer
+from vllm_specplugin.proposers.sampling import draft_generator
 
 logger = get_logger()
 
@@ -471,10 +472,8 @@ class MultiDraftProposer(_CustomClassAdapter):
             return self._unseeded_generator
         generator = self._generators.get(request_id)
         if generator is None:
-            import torch
-
-            generator = torch.Generator(device=self.device).manual_seed((seed * 0x9E3779B1 + 1) % 2**63)
-            self._generators[request_id] = generator
+            # Never vLLM's stream for any request seed (proposers/sampling.py: draft_generator).
+            generator = self._generators[request_id] = draft_generator(seed, self.device)
         return generator
 
     def _row_key(self, row: int, context: list[int]) -> str:
