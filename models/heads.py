@@ -166,7 +166,7 @@ def resumable_train(model: nn.Module, batch_loss, stream: torch.Tensor, args, ke
     g = torch.Generator().manual_seed(args.seed + 1_000_003)
     hi = len(stream) - args.seq - 1
     t0 = time.time()
-    per = []
+    per, trained = [], 0
     bar = tqdm(range(steps), total=steps, initial=0, desc=desc, mininterval=15, unit="step", ncols=100)
     for step in bar:
         starts = torch.randint(0, hi, (args.batch,), generator=g)  # drawn even when skipped: same data order
@@ -180,6 +180,7 @@ def resumable_train(model: nn.Module, batch_loss, stream: torch.Tensor, args, ke
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        trained += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
         if (step + 1) % args.save_every == 0 and step + 1 < steps:
@@ -191,6 +192,7 @@ def resumable_train(model: nn.Module, batch_loss, stream: torch.Tensor, args, ke
     bar.close()
     wall = wall0 + time.time() - t0
     stats = {"steps": steps, "train_tokens": steps * args.batch * args.seq, "train_wall_s": round(wall, 1),
+             "resumed_from_step": start, "steps_trained_this_run": trained,
              "final_loss_ema": round(ema, 4), parts_name: [round(v, 4) for v in per],
              "threads": torch.get_num_threads(), **{k: v for k, v in key.items() if k != "target"}}
     return model, stats

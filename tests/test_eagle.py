@@ -79,6 +79,13 @@ def test_checkpoint_is_vllm_eagle_format_and_forward_matches(built):
     # The briefly trained head is near its init (small attention scores: RoPE or mask errors would hide),
     # so the comparison uses its checkpoint with every weight redrawn at a large scale, written by save_eagle.
     trained = E.load_eagle(out, model)
+    # Trained: moved from its init (the trainer draws it after torch.manual_seed(--seed), default 0),
+    # by more than the bf16 rounding of the checkpoint.
+    torch.manual_seed(0)
+    init = E.EagleHead(H.check_llama(target), model.model.embed_tokens.weight, model.lm_head.weight)
+    rounded = {n: p.detach().to(torch.bfloat16).float() for n, p in init.named_parameters()}
+    moved = {n: float((p.detach().float() - rounded[n]).abs().max()) for n, p in trained.named_parameters()}
+    assert set(moved) == set(rounded) and max(moved.values()) > 1e-3, moved
     with torch.no_grad():
         g_ = torch.Generator().manual_seed(1)
         for p in trained.parameters():
@@ -109,7 +116,7 @@ def test_checkpoint_is_vllm_eagle_format_and_forward_matches(built):
                                            msg=lambda s: f"start {i} step {m}: {s}")
                 toks = torch.cat([toks, x[:, i + m + 1:i + m + 2]], 1)
                 feats = torch.cat([feats, g_seq], 1)
-    # Trained: moved from its init; the card holds every draft position's acceptance.
+    # The card holds every draft position's acceptance.
     card = json.loads((out / H.CARD_FILE).read_text())
     assert card["method"] == "eagle"
     for text in ("heldout_text", "target_greedy_text"):

@@ -89,6 +89,12 @@ def test_training_resumes_from_state(tmp_path):
     H.main(args + ["--out", str(tmp_path / "twice"), "--work", str(tmp_path / "w2"), "--stop-after", "4"])
     assert any((tmp_path / "w2").iterdir())
     H.main(args + ["--out", str(tmp_path / "twice"), "--work", str(tmp_path / "w2")])
+    # Training is seeded, so starting over would give the same weights: the run must say (and have
+    # done) that it resumed at the saved step, training only the steps after it.
+    once = json.loads((tmp_path / "once" / H.CARD_FILE).read_text())["train"]
+    twice = json.loads((tmp_path / "twice" / H.CARD_FILE).read_text())["train"]
+    assert (once["resumed_from_step"], once["steps_trained_this_run"]) == (0, 8)
+    assert (twice["resumed_from_step"], twice["steps_trained_this_run"]) == (4, 4)
     a, b = H.load_heads(tmp_path / "once"), H.load_heads(tmp_path / "twice")
     for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(x, y, rtol=0, atol=0, msg=n)
