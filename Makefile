@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup test test-fast test-extended demo demo-repair models heads bench bench-compare bench-history soak clean
+.PHONY: setup test test-fast test-extended demo demo-repair models heads bench bench-compare bench-history soak docs clean
 
 setup:
 	@bash ci/setup_venv.sh
@@ -55,5 +55,14 @@ heads: setup
 	@$(PY) -m vllm_specplugin.models.eagle --target models/demo/target --out models/demo/eagle --tokens 600000 --lr 2e-3 --save-every 20 --card models/demo
 	@$(PY) -m vllm_specplugin.models.eagle --target models/demo-mb/target --out models/demo-mb/eagle --tokens 300000 --lr 2e-3 --save-every 10 --card models/demo-mb
 
+# The key table of docs/configuration.md, generated from SpecPluginConfig (tests/test_docs.py checks it).
+docs: setup
+	@$(PY) docs/gen_config_reference.py
+
+# runs/ holds outputs, and also committed results that the docs cite: remove only what git does not
+# track there (git clean -X: ignored files only; tracked files are never touched). Outside a git
+# checkout, runs/ is left alone.
 clean:
-	rm -rf .venv .pytest_cache .hypothesis runs
+	rm -rf .venv .pytest_cache .hypothesis
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then git clean -fdqX -- runs; \
+	else echo "make clean: not a git checkout; runs/ left as it is"; fi

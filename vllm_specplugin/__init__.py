@@ -6,7 +6,10 @@ This is the only package of the project that imports vLLM internals. ``register`
 
 from __future__ import annotations
 
-__all__ = ["register"]
+__all__ = ["__version__", "register"]
+
+# Kept equal to [project] version in pyproject.toml (tests/test_metadata.py checks it).
+__version__ = "0.1.0"
 
 
 def register() -> None:
