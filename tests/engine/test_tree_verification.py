@@ -5,7 +5,13 @@ reference), tree drafting verified as a tree, the same tree drafting verified as
 tree engine whose cache-layout probe is made to fail. Greedy outputs must equal plain decoding
 token for token; some accepted node must be a non-first child (else the test proves nothing a
 chain would not); tree verification must accept more per step than the chain; a request with a
-penalty is verified as a chain and still matches plain decoding.
+penalty is verified as a chain and still matches plain decoding; sampled requests (T = 0.8) have
+trees verified and non-first children accepted (the plugin's counters, read per request group).
+
+The engine faults of vllm_specplugin/tree_verification.py (``no_ancestor_mask``,
+``no_tree_positions``, ``no_kv_compaction``, ``first_child_only``) each run the greedy prompts
+once more and must break the greedy checks above (issue 29 item 2): the first three change
+tokens, the last accepts no non-first child.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ PROMPTS = (
 )
 PENALTY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "repetition_penalty": 1.3}
 SAMPLED = {"temperature": 0.8, "top_k": 40, "max_tokens": MAX_TOKENS, "seed": 1}
+ENGINE_FAULTS = ("no_ancestor_mask", "no_tree_positions", "no_kv_compaction", "first_child_only")
 
 
 def _prompt_ids() -> list[list[int]]:
@@ -47,12 +54,14 @@ def _prompt_ids() -> list[list[int]]:
 
 
 def _requests() -> list[dict]:
-    """The greedy prompts; the first prompt with a repetition penalty (chain-only); the second
+    """The greedy prompts; the first prompt with a repetition penalty (chain-only); then every
     prompt sampled at T = 0.8, top-k 40, seeded (the T > 0 tree path runs: children drawn without
-    replacement, recursive rejection sampling; its law is tested in tests/statistical)."""
+    replacement, recursive rejection sampling; its law is tested in tests/statistical). Each kind
+    is a group of its own (its plugin counters are read apart)."""
     ids = _prompt_ids()
-    greedy = [{"prompt": p, "params": {"temperature": 0.0, "max_tokens": MAX_TOKENS}} for p in ids]
-    return greedy + [{"prompt": ids[0], "params": PENALTY}, {"prompt": ids[1], "params": SAMPLED}]
+    greedy = [{"prompt": p, "params": {"temperature": 0.0, "max_tokens": MAX_TOKENS}, "group": "greedy"} for p in ids]
+    sampled = [{"prompt": p, "params": dict(SAMPLED, seed=1 + i), "group": "sampled"} for i, p in enumerate(ids)]
+    return greedy + [{"prompt": ids[0], "params": PENALTY, "group": "penalty"}] + sampled
 
 
 def run_job(requests, speculative_config=None, additional_config=None, extra_env=None, expect_failure=False,
@@ -117,21 +126,44 @@ def _accepted_per_step(run: dict) -> float:
     return spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_drafts"]
 
 
+def greedy_problems(run: dict, plain: dict) -> list[str]:
+    """What is wrong with a tree engine's greedy prompts: a token that differs from plain
+    decoding, no tree verified, or no non-first child accepted (a chain would have done as well)."""
+    problems = [f"prompt {index} differs from plain decoding" for index in range(len(PROMPTS))
+                if run["outputs"][index] != plain["outputs"][index]]
+    problems += [f"prompt {index} has {len(run['outputs'][index])} tokens" for index in range(len(PROMPTS))
+                 if len(run["outputs"][index]) != MAX_TOKENS]
+    stats = run["plugin_groups"]["greedy"]
+    if stats.get("tree_verify_steps", 0) <= 0:
+        problems.append("no tree was verified")
+    if stats.get("tree_non_first_child_accepted", 0) <= 0:
+        problems.append("no non-first child was accepted")
+    return problems
+
+
 def test_greedy_tree_verification_equals_plain_decoding(plain, tree_run):
     """Every greedy prompt: the same tokens as plain decoding; and tree verification did verify
     trees and accepted nodes a chain could not have (non-first children)."""
-    count = len(PROMPTS)
-    for index in range(count):
-        assert tree_run["outputs"][index] == plain["outputs"][index], f"prompt {index} differs"
-        assert len(tree_run["outputs"][index]) == MAX_TOKENS
-    stats = tree_run["plugin"]
+    stats = tree_run["plugin_groups"]["greedy"]
     non_first = stats["tree_non_first_child_accepted"]
     accepted = stats["tree_accepted_tokens"]
     print(f"trees verified {stats['tree_verify_steps']}, nodes {stats['tree_nodes']}, accepted {accepted}, "
           f"of them non-first children {non_first} ({non_first / max(accepted, 1):.1%}); "
           f"start-up plain {plain['startup_s']:.0f} s, tree {tree_run['startup_s']:.0f} s")
-    assert stats["tree_verify_steps"] > 0
-    assert non_first > 0
+    assert greedy_problems(tree_run, plain) == []
+
+
+@pytest.mark.parametrize("fault", ENGINE_FAULTS)
+def test_engine_fault_breaks_the_greedy_checks(plain, fault):
+    """Each engine-side fault of tree verification, injected, is caught by the greedy checks."""
+    spec, extra = _spec("tree")
+    greedy = [r for r in _requests() if r["group"] == "greedy"]
+    run = run_job(greedy, spec, extra, extra_env={"SPECPLUGIN_TREE_FAULT": fault})
+    problems = greedy_problems(run, plain)
+    print(f"{fault}: {problems}")
+    assert problems, f"the greedy checks did not catch the {fault} fault"
+    if fault == "first_child_only":  # the walk is a chain: exact, but no non-first child
+        assert problems == ["no non-first child was accepted"], problems
 
 
 def test_penalty_request_is_verified_as_a_chain_and_matches(plain, tree_run):
@@ -142,9 +174,18 @@ def test_penalty_request_is_verified_as_a_chain_and_matches(plain, tree_run):
 
 
 def test_sampled_request_runs_without_walk_failures(tree_run):
-    assert len(tree_run["outputs"][len(PROMPTS) + 1]) == MAX_TOKENS
+    """The sampled requests (T = 0.8) ran whole, no walk failed, and they were verified as trees
+    with non-first children accepted (not all fallen back to chains)."""
+    for index in range(len(PROMPTS) + 1, len(PROMPTS) * 2 + 1):
+        assert len(tree_run["outputs"][index]) == MAX_TOKENS
     assert "tree verification of request" not in tree_run["log"]  # no walk failed
     assert "Traceback" not in tree_run["log"]
+    stats = tree_run["plugin_groups"]["sampled"]
+    print(f"sampled: trees verified {stats.get('tree_verify_steps')}, accepted {stats.get('tree_accepted_tokens')}, "
+          f"non-first children {stats.get('tree_non_first_child_accepted')}, chain fallbacks "
+          f"{stats.get('tree_chain_fallbacks')}")
+    assert stats.get("tree_verify_steps", 0) > 0
+    assert stats.get("tree_non_first_child_accepted", 0) > 0
 
 
 def test_tree_accepts_more_per_step_than_the_chain(tree_run, chain_run):
