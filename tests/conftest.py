@@ -7,7 +7,13 @@ import os
 import pytest
 from hypothesis import settings
 
+from vllm_specplugin.fault_switch import switch_env
 from vllm_specplugin.models.random_llama import cached_random_llama
+
+# Fault injection is off in production (vllm_specplugin/fault_switch.py); the suite injects faults
+# on purpose, so its processes and the engines and servers they start (which inherit the
+# environment) get the testing switch. tests/test_fault_switch.py checks it is off without it.
+os.environ.update(switch_env())
 
 # No per-example deadline anywhere: with two workers (below) on a shared 2-core machine an
 # example's time says nothing about the code, and a deadline failure would be noise.

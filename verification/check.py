@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from vllm_specplugin import stats
+from vllm_specplugin.fault_switch import switch_env
 from vllm_specplugin.verification.drivers import EngineRun, GenerationTask, SamplingConfig, run_http, run_offline
 from vllm_specplugin.verification.algorithm import SAMPLING_EPS, speculative_token_law
 from vllm_specplugin.verification.reference import (GREEDY_TIE_TOLERANCE, BatchLaw, Prefix,
@@ -68,6 +69,10 @@ class CaseReport:
     near_tie_nodes: int = 0  # T = 0: visited nodes with several tokens within the tie tolerance
     near_tie_accepted: int = 0  # T = 0: sampled tokens accepted only thanks to the tolerance
     notes: tuple[str, ...] = ()
+    # Power against the same binned TV at every testable node of position 2 (the first token a
+    # speculative engine drafts; token 1 is vLLM's plain prefill sample): NaN at T = 0.
+    power_at_delta_speculative: float = float("nan")
+    plugin_counters: dict | None = None  # the plugin's worker counters accrued by this case, if read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +107,7 @@ class CheckReport:
         head = (
             f"{'case':30s} {'P':>3s} {'N':>5s} {'m':>2s} {'nodes':>5s} {'chi2':>4s} {'tokens':>6s} "
             f"{'stat':>8s} {'df':>4s} {'p':>9s} {'decided':>9s} {'TV@worst':>8s} "
-            f"{f'power@{self.delta:g}':>9s} {'accept':>6s}"
+            f"{f'power@{self.delta:g}':>9s} {'pos2 pow':>8s} {'accept':>6s}"
         )
         lines = [head, "-" * len(head)]
         for c in self.cases:
@@ -112,7 +117,7 @@ class CheckReport:
             lines.append(
                 f"{c.name:30s} {c.n_prompts:3d} {c.samples_per_prompt:5d} {c.tokens_per_sample:2d} {c.n_nodes:5d} "
                 f"{c.n_chi2_nodes:4d} {c.tokens_checked:6d} {c.statistic:8.1f} {c.df:4d} {c.pvalue:9.2e} "
-                f"{decided:>9s} {tv:8.3f} {c.power_at_delta:9.4f} {acc:>6s}"
+                f"{decided:>9s} {tv:8.3f} {c.power_at_delta:9.4f} {c.power_at_delta_speculative:8.4f} {acc:>6s}"
             )
         spec = json.dumps(self.speculative_config) if self.speculative_config else "none (plain decoding)"
         family = self.family_size or len(self.cases)
@@ -189,6 +194,7 @@ def analyse(
     acceptance_rate: float | None,
     generate_s: float,
     tie_tolerance: float = GREEDY_TIE_TOLERANCE,
+    plugin_counters: dict | None = None,
 ) -> CaseReport:
     """Test one sampling config's outputs; ``alpha`` is the level this case is decided at (used for
     its power; the decision itself is made by ``run_check``)."""
@@ -227,7 +233,7 @@ def analyse(
             df=0, pvalue=0.0, pvalue_holm=0.0, n_nodes=0, n_chi2_nodes=0, tokens_checked=0,
             impossible_count=0, worst_node={}, node_pvalues=(), power_at_delta=float("nan"),
             case_alpha=alpha, acceptance_rate=acceptance_rate, generate_s=generate_s, rejected=True,
-            notes=tuple(notes),
+            notes=tuple(notes), plugin_counters=plugin_counters,
         )
     combined = stats.combine_chain_results(results)
     evidence = [n for n in combined.nodes if n.testable or n.impossible_count]
@@ -264,7 +270,16 @@ def analyse(
         near_tie_nodes=near_tie_nodes,
         near_tie_accepted=near_tie_accepted,
         notes=tuple(notes),
+        power_at_delta_speculative=_decision_power(combined.df, [speculative_position_samples(combined.nodes)],
+                                                   delta, alpha) if combined.df >= 1 else float("nan"),
+        plugin_counters=plugin_counters,
     )
+
+
+def speculative_position_samples(nodes) -> int:
+    """Samples at the testable nodes of position 2 (prefix length 1): where a TV deviation at the
+    first speculated token is seen by the chi-square sum."""
+    return int(sum(nd.n for nd in nodes if nd.position == 1 and not nd.support_only and nd.testable))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,6 +306,8 @@ class PowerPlan:
     tokens: int
     reps: int
     alternative: str
+    # delta plans: the same TV at position 2 (the first speculated token) instead of position 1
+    power_speculative: float = float("nan")
 
 
 def _binned_w2(law: np.ndarray, probs: np.ndarray, n: int) -> tuple[float, float]:
@@ -306,15 +323,17 @@ def _binned_w2(law: np.ndarray, probs: np.ndarray, n: int) -> tuple[float, float
 
 
 def _simulate(laws, sampling, rng, faulty: bool):
-    """One exact simulated run: (combined df, noncentrality of the law vs the target, P(impossible)).
+    """One exact simulated run: (combined df, noncentrality of the law vs the target, P(impossible),
+    samples at the testable nodes of position 2).
 
     ``laws``: per prompt, (the target's batch law, the sampled law)."""
-    df, noncentrality, log_no_impossible = 0, 0.0, 0.0
+    df, noncentrality, log_no_impossible, second = 0, 0.0, 0.0, 0
     for target, law in laws:
         samples = sample_tree(law, sampling.n, sampling.max_tokens, rng)
         result = stats.chain_test(samples, lambda s: target([tuple(s)])[0], min_node_samples=MIN_NODE_SAMPLES,
                                   tv_ci=False)
         df += result.df
+        second += speculative_position_samples(result.nodes)
         if not faulty:
             continue
         nodes = list(result.nodes)
@@ -326,7 +345,7 @@ def _simulate(laws, sampling, rng, faulty: bool):
                 noncentrality += nd.n * w2
             if impossible_mass > 0:
                 log_no_impossible += nd.n * np.log1p(-min(impossible_mass, 1.0 - 1e-16))
-    return df, noncentrality, 0.0 - np.expm1(log_no_impossible)
+    return df, noncentrality, 0.0 - np.expm1(log_no_impossible), second
 
 
 def plan_power(reference: TargetReference, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *,
@@ -354,11 +373,14 @@ def plan_power(reference: TargetReference, prompts: Sequence[Sequence[int]], sam
     for prompt in prompts:
         target = target_law(reference, prompt, sampling.temperature, sampling.top_k, sampling.top_p)
         laws.append((target, target if law_for_prompt is None else law_for_prompt(prompt, target)))
-    dfs, lams, imps, powers = [], [], [], []
+    dfs, lams, imps, powers, speculative = [], [], [], [], []
     for _ in range(reps):
-        df, lam, imp = _simulate(laws, sampling, rng, law_for_prompt is not None)
+        df, lam, imp, second = _simulate(laws, sampling, rng, law_for_prompt is not None)
         if delta is not None:
             lam = len(prompts) * sampling.n * (2.0 * delta) ** 2
+            # The same TV at position 2 instead, where speculation acts (token 1 is the prefill's).
+            lam2 = second * (2.0 * delta) ** 2
+            speculative.append(float(stats.chain_power(lam2, df, alpha)) if df >= 1 and lam2 > 0 else 0.0)
         chi2 = float(stats.chain_power(lam, df, alpha)) if df >= 1 else 0.0
         dfs.append(df)
         lams.append(float(lam))
@@ -367,7 +389,8 @@ def plan_power(reference: TargetReference, prompts: Sequence[Sequence[int]], sam
     alternative = (f"binned TV {delta:g} at the first token of each prompt" if delta is not None
                    else "the given sampler's exact law at every chi-square node")
     return PowerPlan(min(powers), tuple(dfs), tuple(lams), tuple(imps), alpha, sampling.n,
-                     sampling.max_tokens, reps, alternative)
+                     sampling.max_tokens, reps, alternative,
+                     power_speculative=min(speculative) if speculative else float("nan"))
 
 
 def speculative_law(draft_for_prompt, *, mode: str = "probabilistic", fault: str | None = None,
@@ -482,7 +505,8 @@ def run_check(
         if driver not in ENGINE_DRIVERS:
             raise ValueError(f"driver must be one of {sorted(ENGINE_DRIVERS)} or a callable, got {driver!r}")
         driver_name, engine = driver, ENGINE_DRIVERS[driver]
-        extra_env = {"SPECPLUGIN_INJECT_FAULT": injected_fault} if injected_fault else None
+        # An injected fault is a deliberate request: its engine gets the testing switch too.
+        extra_env = {"SPECPLUGIN_INJECT_FAULT": injected_fault, **switch_env()} if injected_fault else None
 
         def driver(tasks: list[GenerationTask]) -> EngineRun:
             return engine(model, tasks, speculative_config=speculative_config, additional_config=additional_config,
@@ -505,6 +529,7 @@ def run_check(
             cases.append(analyse(
                 reference, ps, task.outputs, sampling, alpha=case_alpha, delta=delta, method=method,
                 acceptance_rate=_acceptance(task.spec_decode_metrics), generate_s=task.generate_s,
+                plugin_counters=task.plugin_metrics or None,
             ))
             bar.update(1)
     cases = decide(cases, alpha, family_size)

@@ -48,6 +48,7 @@ class TaskResult:
     outputs: list[list[list[int]]]  # [prompt][sample][token]
     generate_s: float
     spec_decode_metrics: dict = field(default_factory=dict)  # counters accrued by this task
+    plugin_metrics: dict = field(default_factory=dict)  # the plugin's worker counters accrued (offline driver)
 
 
 @dataclass

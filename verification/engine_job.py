@@ -33,6 +33,20 @@ def _difference(after: dict, before: dict) -> dict:
     return diff
 
 
+def _plugin_counters(wait_s: float) -> dict:
+    """The plugin's worker counters summed over this engine's workers (vllm_specplugin/metrics.py),
+    read after ``wait_s`` (workers publish a snapshot every 0.5 s); {} without the plugin's proposer."""
+    from vllm_specplugin.metrics import read_snapshots
+
+    time.sleep(wait_s)
+    totals: dict = {}
+    for snapshot in read_snapshots():
+        for key, value in snapshot.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "time":
+                totals[key] = totals.get(key, 0) + value
+    return totals
+
+
 def _sampling_params(cls, sp: dict, prompt_index: int):
     from vllm_specplugin.verification.drivers import request_seed
 
@@ -71,6 +85,9 @@ def run(job: dict) -> dict:
     llm = LLM(**options)
     startup_s = time.perf_counter() - t0
     tasks = []
+    spec = job.get("speculative_config") or {}
+    plugin = spec.get("method") == "custom_class" and str(spec.get("model", "")).startswith("vllm_specplugin.")
+    plugin_before = _plugin_counters(0.0) if plugin else {}
     for task in job["tasks"]:
         sp = task["sampling"]
         before = _spec_decode_counters(llm)
@@ -90,6 +107,10 @@ def run(job: dict) -> dict:
                 "spec_decode_metrics": _difference(_spec_decode_counters(llm), before),
             }
         )
+        if plugin:
+            plugin_after = _plugin_counters(1.5)
+            tasks[-1]["plugin_metrics"] = _difference(plugin_after, plugin_before)
+            plugin_before = plugin_after
     return {"startup_s": startup_s, "tasks": tasks}
 
 

@@ -38,7 +38,6 @@ in the worker; every process that loads the plugin logs a warning while the vari
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import re
 import time
@@ -46,6 +45,7 @@ import time
 import torch
 
 from vllm_specplugin.logging_utils import log_once
+from vllm_specplugin.fault_switch import fault_variable
 
 ENV_VAR = "SPECPLUGIN_INJECT_FAULT"
 FAULTS = ("wrong_draft_probs", "resample_from_p", "ignore_temperature", "lossy_threshold",
@@ -56,7 +56,7 @@ _MARK = "_specplugin_fault"
 
 def requested_fault() -> str | None:
     draft_faults()  # validated (and announced) in every process too
-    fault = os.environ.get(ENV_VAR, "").strip() or None
+    fault = fault_variable(ENV_VAR) or None
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"{ENV_VAR}={fault!r}: expected one of {list(FAULTS)}")
     return fault
@@ -204,7 +204,7 @@ def parse_draft_faults(text: str) -> DraftFaults | None:
 
 def draft_faults() -> DraftFaults | None:
     """The draft faults the environment asks for (warned about once per process), or None."""
-    faults = parse_draft_faults(os.environ.get(DRAFT_ENV_VAR, ""))
+    faults = parse_draft_faults(fault_variable(DRAFT_ENV_VAR))
     if faults is not None:
         log_once("warning", f"DRAFT FAULT INJECTED ({DRAFT_ENV_VAR}={faults}): the draft models deliberately "
                             "misbehave (a robustness test; outputs must stay exact). Never set it in serving.")

@@ -67,7 +67,9 @@ class _State:
         self.context_mismatches = 0  # steps whose ranks held different contexts (must stay 0)
         self.columns = None
         self.check = os.environ.get(CHECK_ENV, "on").strip().lower() != "off"
-        self.fault = os.environ.get(FAULT_ENV, "").strip() or None
+        from vllm_specplugin.fault_switch import fault_variable
+
+        self.fault = fault_variable(FAULT_ENV) or None
         if self.fault not in (None, "q_rank1"):
             raise ValueError(f"{FAULT_ENV}={self.fault!r}: expected q_rank1")
         self.report_dir = os.environ.get(REPORT_ENV) or None

@@ -168,7 +168,9 @@ class TreeVerificationUnavailable(RuntimeError):
 
 
 def requested_fault() -> str | None:
-    fault = os.environ.get(FAULT_ENV, "").strip() or None
+    from vllm_specplugin.fault_switch import fault_variable
+
+    fault = fault_variable(FAULT_ENV) or None
     if fault is not None and fault not in TREE_FAULTS:
         raise ValueError(f"{FAULT_ENV}={fault!r}: expected one of {list(TREE_FAULTS)}")
     return fault

@@ -127,6 +127,28 @@ def test_power_is_the_power_of_the_combined_decision(reference):
     standalone = stats.power_for_tv(800, 0.1, root.n_bins - 1, alpha)
     assert case.df > 2 * (root.n_bins - 1) and case.power_at_delta < standalone
     print(f"decision power {case.power_at_delta:.3f} (df {case.df}) vs first-token test {standalone:.3f}")
+    # The same TV at token 2 (the first token speculation acts on) is seen only through the
+    # samples at testable position-2 nodes: fewer than N per prompt, so less power.
+    second = sum(n.n for n in stats.combine_chain_results([
+        stats.chain_test(np.asarray(o), lambda s, p=p: target_law(reference, p, 1.0, 50, 0.9)([tuple(s)])[0],
+                         min_node_samples=10, tv_ci=False) for p, o in zip(prompts, outputs)]).nodes
+                 if n.position == 1 and n.testable)
+    assert 0 < second < 1600
+    assert case.power_at_delta_speculative == pytest.approx(stats.chain_power_for_tv([second], 0.1, case.df, alpha))
+    assert case.power_at_delta_speculative < case.power_at_delta
+
+
+def test_planned_power_at_the_first_speculated_token(reference):
+    """plan_power reports the power for the TV at token 2 beside token 1's; with one token per
+    sample there is no position 2, so that power is 0 (a plan that visits no node cannot pass)."""
+    prompts = random_prompts(512, 2, seed=0)
+    alpha = 0.01 / 49
+    long = plan_power(reference, prompts, SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, max_tokens=3,
+                                                         n=3000, seed=0), alpha=alpha, delta=0.1, reps=1)
+    short = plan_power(reference, prompts, SamplingConfig(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1,
+                                                          n=3000, seed=0), alpha=alpha, delta=0.1, reps=1)
+    assert 0.99 <= long.power_speculative <= long.power
+    assert short.power > 0.99 and short.power_speculative == 0.0
 
 
 @pytest.mark.statistical
