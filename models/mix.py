@@ -102,8 +102,12 @@ def _windows(streams: dict, job: Job, g: torch.Generator) -> torch.Tensor:
 
 
 def run_job(job: Job, model, streams: dict, work: Path, save_every: int, teacher=None,
-            on_save=None) -> dict:
-    """Train ``model`` in place per ``job``, resuming from ``work/<name>.state.pt``; returns stats."""
+            on_save=None, start_step: int = 0) -> dict:
+    """Train ``model`` in place per ``job``, resuming from ``work/<name>.state.pt``; returns stats.
+
+    Without a state file, ``start_step`` > 0 continues a run whose weights (``model``) came from a
+    committed checkpoint saved at that step: same data order and schedule, a fresh AdamW warmed up
+    again over 20 steps (the optimizer state is too big to commit)."""
     from tqdm import tqdm
 
     from .train import _lr_at, make_optimizer
@@ -111,7 +115,8 @@ def run_job(job: Job, model, streams: dict, work: Path, save_every: int, teacher
     assert sum(job.mixture.values()) == job.batch, job
     state_path = work / f"{job.name}.state.pt"
     opt = make_optimizer(model, job.lr)
-    st = {"step": 0, "wall_s": 0.0, "ema": None}
+    st = {"step": start_step, "wall_s": 0.0, "ema": None}
+    rewarm_from = start_step if start_step and not state_path.exists() else None
     if state_path.exists():
         st = torch.load(state_path, weights_only=False)
         model.load_state_dict(st.pop("model"))
@@ -127,8 +132,11 @@ def run_job(job: Job, model, streams: dict, work: Path, save_every: int, teacher
     bar = tqdm(range(st["step"], job.steps), initial=st["step"], total=job.steps, desc=job.name,
                mininterval=30, ncols=100)
     for step in bar:
+        lr = _lr_at(step, job.steps, job.lr, warmup)
+        if rewarm_from is not None:
+            lr *= min(1.0, (step - rewarm_from + 1) / 20)
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step, job.steps, job.lr, warmup)
+            group["lr"] = lr
         xy = _windows(streams, job, g)
         x, y = xy[:, :-1], xy[:, 1:]
         logits = model(input_ids=x).logits
@@ -185,27 +193,38 @@ def stage_target(args) -> dict:
 
     tok = tok_mod.load_tokenizer(MB_DIR / TARGET)
     streams = domain_streams(tok, args.work)
-    model = load_checkpoint(MB_DIR / TARGET)
     job = TARGET_JOB if not args.tokens else Job(**{**TARGET_JOB.__dict__, "tokens": args.tokens})
+    out = args.out / TARGET
+    # A later session (no state file in --work) continues from the committed checkpoint.
+    committed = json.loads((out / "progress.json").read_text()) if (out / "progress.json").exists() else {}
+    start_step = 0
+    if (not (args.work / f"{job.name}.state.pt").exists() and committed.get("of") == job.steps
+            and 0 < committed.get("step", 0) < job.steps):
+        start_step = committed["step"]
+        model = load_checkpoint(out)
+        log(f"target: continuing from the committed checkpoint {out} at step {start_step} / {job.steps}")
+    else:
+        model = load_checkpoint(MB_DIR / TARGET)
     before_path = args.work / "target.before.json"
     if not before_path.exists():
-        before = heldout_losses(model, streams, args.eval_windows)
+        before = committed.get("heldout_loss_before") or heldout_losses(load_checkpoint(MB_DIR / TARGET), streams,
+                                                                        args.eval_windows)
         before_path.write_text(json.dumps(before))
         log(f"memory-bound target before: held-out loss {before}")
     before = json.loads(before_path.read_text())
-    out = args.out / TARGET
 
     def checkpoint(step: int) -> None:
         # A committed checkpoint at every save: a later session can continue from the repository.
         if step % (4 * args.save_every) == 0 or step == job.steps:
             save_checkpoint(model, tok, out)
             (out / "progress.json").write_text(json.dumps(
-                {"step": step, "of": job.steps, "source": "models/demo-mb/target"}, indent=2) + "\n")
+                {"step": step, "of": job.steps, "source": "models/demo-mb/target", "heldout_loss_before": before,
+                 "partial": step < job.steps}, indent=2) + "\n")
             log(f"target: step {step}, checkpoint written; held-out loss (16 windows) "
                 f"{heldout_losses(model, streams, 16)}")
 
     torch.set_num_threads(args.threads)
-    stats = run_job(job, model, streams, args.work, args.save_every, on_save=checkpoint)
+    stats = run_job(job, model, streams, args.work, args.save_every, on_save=checkpoint, start_step=start_step)
     after = heldout_losses(model, streams, args.eval_windows)
     save_checkpoint(model, tok, out)
     progress = {"source": "models/demo-mb/target", "params": sum(p.numel() for p in model.parameters()),
