@@ -4,7 +4,7 @@ Each test runs the real engine (one fresh process) and checks its samples agains
 processed target distribution from transformers (``verification.check``):
 
 * T > 0: N continuations of m = 3 tokens for each of 2 prompts (N = 3000 for the honest cases,
-  2000 for the faults; 48 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
+  2000 for the faults; 49 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
   and every sampled token checked for support (a token the target gives probability 0 fails).
 * T = 0: vLLM samples one continuation per prompt, so 32 random prompts of 4-48 tokens x 32
   tokens each (1024 tokens): every token must be the reference argmax (within a logit gap of
@@ -18,7 +18,7 @@ Holm over all the p-values actually recorded (whose count must be SUITE_HYPOTHES
 test, ``test_suite_holm_decision``: it rejects exactly the faults.
 
 Power, computed before each engine run (``check.plan_power``: exact simulated runs of the same
-N, m and prompts give the df of the combined test), at ALPHA = 0.01 / 48 = 2.1e-4 (the figures below
+N, m and prompts give the df of the combined test), at ALPHA = 0.01 / 49 = 2.0e-4 (the figures below
 were computed at 0.01 / 35 = 2.9e-4, before 13 cases joined the suite; each test asserts its
 power at the current ALPHA before and after its run):
 * honest T > 0 cases: the decision (combined df, level ALPHA) detects a binned TV of 0.1 at the
@@ -27,6 +27,14 @@ power at the current ALPHA before and after its run):
   N = 3000: df 160-394, power >= 0.99975 (T = 1.3; T = 1.0 0.99985; T = 1 without top-k / top-p
   0.99996; T = 0.7 1.0). The power of the decision actually made (at its observed df) is asserted
   after the run too;
+* the same TV at token 2 instead (the first token speculation acts on; token 1 is vLLM's plain
+  prefill sample, so a deviation there says nothing about speculation): the noncentrality is the
+  samples at the testable position-2 nodes x (2 delta)^2 (``PowerPlan.power_speculative``,
+  ``CaseReport.power_at_delta_speculative``), >= 0.99 too for every honest T > 0 case, planned and
+  observed (planned at 0.01 / 49 with N = 3000, m = 3: 0.99999994 at T = 0.7, 0.99977 at T = 1.0,
+  0.99934 at T = 1.3, 0.99915 at T = 1 without top-k / top-p);
+* the long tree case (``honest_tree_long``, m = 10 at T = 1, top-k 50, top-p 0.9, N = 3000): power
+  0.9972 at token 1 and 0.9969 at token 2 (df ~517), planned;
 * faults (b)-(e) and (g): the power at the fault's exact effect (its law from
   ``verification.algorithm.speculative_token_law`` at the engine's contexts, with the draft's q
   computed from the draft checkpoint) is >= 0.99 (computed: 0.999986 for (c), 1 to double
@@ -126,6 +134,7 @@ SUITE = {
     "fault_f_accept_all_drafts": 1,
     "fault_g_handoff_q_temperature": 1,
     "honest_tree_verification": len(TREE_TEMPERATURES),
+    "honest_tree_long": 1,
     "fault_h_tree_residual_not_updated": 1,
     "fault_i_tree_iid_on_topk": 1,
     "fault_k_tree_q_not_updated": 1,
@@ -135,7 +144,7 @@ SUITE = {
     "honest_block_draft_model": len(BLOCK_TEMPERATURES),
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 48
+SUITE_HYPOTHESES = sum(SUITE.values())  # 49
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -202,7 +211,7 @@ HONEST = [sampling(t) for t in HONEST_TEMPERATURES]
 RECORD_DIR = os.path.join(REPORT_DIR, "suite-records")
 RUN_ID = os.environ.get("SPECPLUGIN_TEST_RUN_ID", "")
 DECISION_WAIT_S = 1500  # the longest the decision waits for cases still running (pytest-timeout: 1800)
-_PLANS: dict[SamplingConfig, float] = {}
+_PLANS: dict[SamplingConfig, tuple[float, float]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -210,12 +219,15 @@ def reference(peaked_target):
     return TargetReference(peaked_target)
 
 
-def planned_power(reference, config: SamplingConfig) -> float:
-    """Power of the decision at TV DELTA, planned from exact simulated runs (once per config)."""
+def planned_power(reference, config: SamplingConfig) -> tuple[float, float]:
+    """Power of the decision at TV DELTA at the first token and, the same TV instead at position 2
+    (the first token speculation acts on: token 1 is vLLM's prefill sample), planned from exact
+    simulated runs (once per config)."""
     if config not in _PLANS:
         plan = plan_power(reference, PROMPTS, config, alpha=ALPHA, delta=DELTA, reps=2)
-        print(f"\nplanned power {config}: {plan.power:.5f} (df {plan.df}, alpha {ALPHA:.2g})")
-        _PLANS[config] = plan.power
+        print(f"\nplanned power {config}: {plan.power:.5f} at token 1, {plan.power_speculative:.5f} at "
+              f"token 2 (df {plan.df}, alpha {ALPHA:.2g})")
+        _PLANS[config] = (plan.power, plan.power_speculative)
     return _PLANS[config]
 
 
@@ -255,14 +267,15 @@ def read_records() -> dict[str, dict]:
 def run_honest(name, model, samplings, reference, **kwargs):
     for config in samplings:
         if config.temperature > 0:
-            assert planned_power(reference, config) >= POWER, config  # N chosen from this
+            assert min(planned_power(reference, config)) >= POWER, config  # N chosen from this
     report = check(name, model, samplings, reference, **kwargs)
-    for case in report.cases:
+    for config, case in zip(samplings, report.cases):
         assert not case.rejected and case.pvalue >= ALPHA and case.impossible_count == 0, (
             case.name, case.pvalue, case.worst_node)
         if case.sampling["temperature"] > 0:
             assert case.power_at_delta >= POWER, (case.name, case.power_at_delta, case.df)
-            assert case.tokens_checked == len(PROMPTS) * N_HONEST * M_TOKENS, case
+            assert case.power_at_delta_speculative >= POWER, (case.name, case.power_at_delta_speculative)
+            assert case.tokens_checked == len(PROMPTS) * config.n * config.max_tokens, case
         else:
             assert case.tokens_checked == len(GREEDY_PROMPTS) * GREEDY_TOKENS, case
             print(f"{name} T=0: {case.near_tie_nodes} near-tie node(s), "
@@ -525,6 +538,47 @@ def test_tree_verification_is_exact(peaked_target, peaked_draft, unrelated_draft
         speculative_config=TREE_PROPOSER, additional_config=tree_config([peaked_draft, unrelated_draft]),
     )
     assert all(c.acceptance_rate and c.acceptance_rate > 0.05 for c in report.cases)
+    assert_trees_walked(report)
+
+
+def assert_trees_walked(report) -> None:
+    """Every case verified trees and accepted non-first children (from the plugin's counters): a
+    tree case that fell back to chains everywhere would pass the law check and prove nothing."""
+    for case in report.cases:
+        counters = case.plugin_counters or {}
+        print(f"{case.name}: trees verified {counters.get('tree_verify_steps')}, accepted "
+              f"{counters.get('tree_accepted_tokens')}, non-first children "
+              f"{counters.get('tree_non_first_child_accepted')}, chain fallbacks {counters.get('tree_chain_fallbacks')}")
+        assert counters.get("tree_verify_steps", 0) > 0, (case.name, counters)
+        assert counters.get("tree_non_first_child_accepted", 0) > 0, (case.name, counters)
+
+
+# Long enough that samples cross several tree steps: token 1 is the prefill's, then each tree step
+# emits 1-4 tokens (depth 3 + the bonus), so most of the 10 tokens come after one or two KV
+# compactions (a non-first child accepted moves its K/V) and from the deepest tree level.
+M_LONG = 10
+LONG_TREE_SAMPLING = SamplingConfig(temperature=1.0, top_k=TOP_K, top_p=TOP_P, max_tokens=M_LONG, n=N_HONEST, seed=0)
+
+
+def test_tree_verification_is_exact_over_several_tree_steps(peaked_target, peaked_draft, unrelated_draft,
+                                                               reference):
+    """The honest tree configuration at T = 1 (top-k 50, top-p 0.9) over M_LONG = 10 tokens: the
+    tokens observed include tokens computed after KV compaction and at the deepest tree level, not
+    only inside the first tree step as with M_TOKENS = 3. N from the planned power (>= 0.99 at
+    tokens 1 and 2: measured 0.9972 / 0.9969 at N = 3000, df ~517). The counters must show at
+    least two tree steps per sample on average, and non-first children accepted."""
+    report = run_honest(
+        "honest_tree_long", peaked_target, [LONG_TREE_SAMPLING], reference,
+        speculative_config=TREE_PROPOSER, additional_config=tree_config([peaked_draft, unrelated_draft]),
+    )
+    assert_trees_walked(report)
+    (case,) = report.cases
+    samples = len(PROMPTS) * LONG_TREE_SAMPLING.n
+    steps_per_sample = case.plugin_counters["tree_verify_steps"] / samples
+    non_first_per_sample = case.plugin_counters["tree_non_first_child_accepted"] / samples
+    print(f"long tree case: {steps_per_sample:.2f} tree steps and {non_first_per_sample:.2f} accepted non-first "
+          f"children per sample")
+    assert steps_per_sample >= 2.0
 
 
 def engine_tree(drafts: list[TargetReference], prompt, context, config: SamplingConfig):
