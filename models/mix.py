@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from . import DEMO_DIR, TARGET
 from . import corpus as corpus_mod
@@ -110,7 +109,7 @@ def run_job(job: Job, model, streams: dict, work: Path, save_every: int, teacher
     again over 20 steps (the optimizer state is too big to commit)."""
     from tqdm import tqdm
 
-    from .train import _lr_at, make_optimizer
+    from .train import _lr_at, make_optimizer, objective_loss
 
     assert sum(job.mixture.values()) == job.batch, job
     state_path = work / f"{job.name}.state.pt"
@@ -139,15 +138,7 @@ def run_job(job: Job, model, streams: dict, work: Path, save_every: int, teacher
             group["lr"] = lr
         xy = _windows(streams, job, g)
         x, y = xy[:, :-1], xy[:, 1:]
-        logits = model(input_ids=x).logits
-        V = logits.shape[-1]
-        if job.objective == "ce":
-            loss = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
-        else:
-            with torch.no_grad():
-                t_logp = F.log_softmax(teacher(input_ids=x).logits.float(), -1)
-            loss = F.kl_div(F.log_softmax(logits, -1).reshape(-1, V), t_logp.reshape(-1, V),
-                            log_target=True, reduction="batchmean")
+        loss = objective_loss(model(input_ids=x).logits, x, y, job.objective, teacher)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

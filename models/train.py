@@ -110,6 +110,19 @@ def batches(stream: torch.Tensor, spec: Spec, steps: int):
         yield stream[idx].long()
 
 
+def objective_loss(logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor, objective: str, teacher=None):
+    """The training loss of a batch: cross-entropy on ``y`` ("ce"), or ("kl") forward
+    KL(p_teacher || q_student) at T = 1 on the inputs ``x``: it matches the draft to the target's
+    whole distribution, which is what acceptance depends on. ``logits`` [B, T, V], ``x``/``y`` [B, T]."""
+    V = logits.shape[-1]
+    if objective == "ce":
+        return F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
+    with torch.no_grad():
+        t_logp = F.log_softmax(teacher(input_ids=x).logits.float(), -1)
+    return F.kl_div(F.log_softmax(logits, -1).reshape(-1, V), t_logp.reshape(-1, V),
+                    log_target=True, reduction="batchmean")
+
+
 def train(spec: Spec, tok, stream: torch.Tensor, teacher=None, init=None, log=print) -> tuple:
     """Train one model per ``spec`` (from ``init``'s weights if given); returns (model, stats)."""
     model = build_model(spec, tok)
@@ -130,17 +143,7 @@ def train(spec: Spec, tok, stream: torch.Tensor, teacher=None, init=None, log=pr
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, steps, spec.lr, warmup)
         x, y = xy[:, :-1], xy[:, 1:]
-        logits = model(input_ids=x).logits
-        V = logits.shape[-1]
-        if spec.objective == "ce":
-            loss = F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
-        else:
-            with torch.no_grad():
-                t_logp = F.log_softmax(teacher(input_ids=x).logits.float(), -1)
-            # Forward KL(p_target || q_draft) at T=1: matches the draft to the
-            # target's whole distribution, which is what acceptance depends on.
-            loss = F.kl_div(F.log_softmax(logits, -1).reshape(-1, V), t_logp.reshape(-1, V),
-                            log_target=True, reduction="batchmean")
+        loss = objective_loss(model(input_ids=x).logits, x, y, spec.objective, teacher)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
