@@ -173,7 +173,7 @@ TARGET_JOB = Job("target", tokens=500_000, lr=3e-4, seed=4242, mixture={"code": 
                  objective="ce")
 DRAFT_JOBS = {
     "draft-code": Job("draft-code", tokens=100_000, lr=3e-4, seed=11, mixture={"code": 8}, objective="kl"),
-    "draft-prose": Job("draft-prose", tokens=400_000, lr=2e-3, seed=12, mixture={"prose": 8}, objective="kl"),
+    "draft-prose": Job("draft-prose", tokens=1_600_000, lr=2e-3, seed=12, mixture={"prose": 8}, objective="kl"),
     "draft-tiny": Job("draft-tiny", tokens=200_000, lr=2e-3, seed=13, mixture={"code": 8, "prose": 8},
                       objective="kl", batch=16),
 }
