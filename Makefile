@@ -41,7 +41,7 @@ bench-history: setup
 # >= 10 min; checks every answer, worker RSS slope, tracked_requests, greedy = plain decoding.
 # JSON report and plot in runs/soak/. The short tier runs in `make test` (tests/server/test_soak_short.py).
 soak: setup
-	@source ci/env.sh && $(PY) -m vllm_specplugin.verification.soak $(SOAK_ARGS)
+	@source ci/env.sh && $(PY) -m vllm_specplugin.throughput.soak $(SOAK_ARGS)
 
 models: setup
 	@$(PY) -m models.build

@@ -606,18 +606,33 @@ class DraftBatch:
         K/V go to scratch entries of the request's buffer past the context, each row masked to
         its own.
         """
-        if not context or not paths or not all(paths):
-            raise ValueError("branches need a context and non-empty paths")
-        cache = runtime._take_cache(request_id)
-        _rollback(cache, context, keep_last_uncached=False)
-        if len(cache.cached_tokens) < len(context):
-            runtime._prefill_alone(cache, context[len(cache.cached_tokens):])
-        length = len(cache.cached_tokens)
-        scratch = [length]
-        rows = [_Row(cache, prefix=length, position=length, scratch=scratch) for _ in paths]
+        return cls.branches_of(runtime, [(request_id, context, paths)])
+
+    @classmethod
+    def branches_of(cls, runtime: DraftRuntime,
+                    items: Sequence[tuple[str, list[int], list[list[int]]]]) -> DraftBatch:
+        """:meth:`branches` for several requests in one forward: ``items`` are (request id,
+        context, paths), each request at most once; the rows are items[0]'s paths in order, then
+        items[1]'s, and so on."""
+        request_ids = [request_id for request_id, _, _ in items]
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("a request can be in a batch only once")
+        rows, row_ids, row_paths = [], [], []
+        for request_id, context, paths in items:
+            if not context or not paths or not all(paths):
+                raise ValueError("branches need a context and non-empty paths")
+            cache = runtime._take_cache(request_id)
+            _rollback(cache, context, keep_last_uncached=False)
+            if len(cache.cached_tokens) < len(context):
+                runtime._prefill_alone(cache, context[len(cache.cached_tokens):])
+            length = len(cache.cached_tokens)
+            scratch = [length]  # shared by the request's rows: each writes past the previous
+            rows += [_Row(cache, prefix=length, position=length, scratch=scratch) for _ in paths]
+            row_ids += [request_id] * len(paths)
+            row_paths += [list(p) for p in paths]
         batch = cls.__new__(cls)
-        batch._setup(runtime, [request_id] * len(paths), rows, writable=False)
-        batch._forward(list(range(len(rows))), [list(p) for p in paths])
+        batch._setup(runtime, row_ids, rows, writable=False)
+        batch._forward(list(range(len(rows))), row_paths)
         return batch
 
     def _setup(self, runtime: DraftRuntime, request_ids: list[str], rows: list[_Row], writable: bool) -> None:

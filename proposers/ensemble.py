@@ -152,12 +152,25 @@ class EnsembleProposer(Proposer):
     def branch_distributions(self, request_id: str, context: Sequence[int], paths: list[list[int]]) -> torch.Tensor:
         """The unprocessed mixture m after ``context + path``, for each path [len(paths), V] (token
         trees). The request's caches keep holding ``context``."""
-        return self._mixture(lambda rt: DraftBatch.branches(rt, request_id, list(context), paths))
+        return self.branch_distributions_of([(request_id, context, paths)])[0]
+
+    @torch.no_grad()
+    def branch_distributions_of(self, items: Sequence[tuple[str, Sequence[int], list[list[int]]]]) -> list[torch.Tensor]:
+        """:meth:`branch_distributions` for several requests (each at most once) in one forward per
+        draft: ``items`` are (request id, context, paths); returns one [len(paths), V] per item."""
+        items = [(rid, list(context), paths) for rid, context, paths in items]
+        mixture = self._mixture(lambda rt: DraftBatch.branches_of(rt, items))
+        return list(mixture.split([len(paths) for _, _, paths in items]))
 
     @torch.no_grad()
     def root_distribution(self, request_id: str, context: Sequence[int]) -> torch.Tensor:
         """The unprocessed mixture m after ``context`` [V]; leaves the caches holding ``context``."""
-        return self._mixture(lambda rt: rt.open_batch([request_id], [list(context)]))[0]
+        return self.root_distributions([request_id], [context])[0]
+
+    @torch.no_grad()
+    def root_distributions(self, request_ids: Sequence[str], contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """:meth:`root_distribution` for several requests in one forward per draft: [len(ids), V]."""
+        return self._mixture(lambda rt: rt.open_batch(list(request_ids), [list(c) for c in contexts]))
 
     def _mixture(self, open_batch) -> torch.Tensor:
         """Σ_d w_d softmax(logits_d) over the batch each runtime opens with ``open_batch``."""

@@ -12,12 +12,18 @@ child's siblings still add acceptance; at T = 0 (or with ``children="topk"``) th
 the draft's top-k, verified with the one-hot rule. The tree's ``rule`` says which
 (``vllm_specplugin/tree_verification.py`` walks it with that rule). :class:`TokenTree` keeps
 what a tree verifier needs (every node's draft distribution q and the tree attention mask).
+
+With ``shape="dynamic"`` the shape is chosen per request (:func:`build_dynamic_tree`): grown best
+first by each node's probability of acceptance under a calibrated draft-as-proxy model
+(:func:`tree_acceptance`, :func:`tree_expected_accepted_length`), so a confident draft gets the
+chain and an uncertain one a wide, shallow tree, with the same ``TokenTree`` and rules.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -120,6 +126,19 @@ class TokenTree:
         return mask
 
 
+def drive(steps: Generator[list[list[int]], torch.Tensor, TokenTree],
+          expand: Callable[[list[list[int]]], torch.Tensor]) -> TokenTree:
+    """Run a tree builder's steps (:func:`tree_steps`, :func:`sampled_tree_steps`,
+    :func:`dynamic_tree_steps`) to its tree, answering each yielded list of paths with
+    ``expand(paths)``."""
+    try:
+        paths = next(steps)
+        while True:
+            paths = steps.send(expand(paths))
+    except StopIteration as done:
+        return done.value
+
+
 def build_tree(
     root_q: torch.Tensor,
     expand: Callable[[list[list[int]]], torch.Tensor],
@@ -141,6 +160,18 @@ def build_tree(
     child is always kept, and each layer leaves one node of the budget per deeper level for it.
     So the best path is never worse, by expected accepted length, than greedy drafting.
     """
+    return drive(tree_steps(root_q, node_budget, depth_limit, branching), expand)
+
+
+def tree_steps(
+    root_q: torch.Tensor,
+    node_budget: int,
+    depth_limit: int,
+    branching: int,
+) -> Generator[list[list[int]], torch.Tensor, TokenTree]:
+    """:func:`build_tree` as a generator, for growing many trees in one batch: it yields the
+    paths to expand ([len(paths)] token lists) and is sent their processed distributions
+    [len(paths), V]; it returns the tree (:func:`drive` runs it with an ``expand``)."""
     if node_budget < 0 or depth_limit < 0 or branching < 1:
         raise ValueError(
             f"need node_budget >= 0, depth_limit >= 0, branching >= 1; got {node_budget}, {depth_limit}, {branching}"
@@ -199,7 +230,7 @@ def build_tree(
         others = sorted((n for n in new_nodes if n != greedy), key=lambda n: -cumulative[n])
         frontier = ([greedy] if greedy in new_nodes else []) + others
         frontier = frontier[:branching]
-        frontier_q = expand([_path(tokens, parents, n) for n in frontier]).float()
+        frontier_q = (yield [_path(tokens, parents, n) for n in frontier]).float()
     return TokenTree(tokens, parents, depths, torch.stack(rows))
 
 
@@ -285,6 +316,20 @@ def build_sampled_tree(
     :func:`sample_without_replacement` with ``generator``. The tree's ``rule`` is
     ``"without_replacement"``.
     """
+    return drive(sampled_tree_steps(root_q, node_budget, depth_limit, branching, generator, draw), expand)
+
+
+def sampled_tree_steps(
+    root_q: torch.Tensor,
+    node_budget: int,
+    depth_limit: int,
+    branching: int,
+    generator: torch.Generator | None = None,
+    draw: Callable[[torch.Tensor, int], list[int]] | None = None,
+) -> Generator[list[list[int]], torch.Tensor, TokenTree]:
+    """:func:`build_sampled_tree` as a generator, for growing many trees in one batch: it yields the
+    paths to expand ([len(paths)] token lists) and is sent their processed distributions
+    [len(paths), V]; it returns the tree (:func:`drive` runs it with an ``expand``)."""
     if node_budget < 0 or depth_limit < 0 or branching < 1:
         raise ValueError(
             f"need node_budget >= 0, depth_limit >= 0, branching >= 1; got {node_budget}, {depth_limit}, {branching}"
@@ -328,8 +373,477 @@ def build_sampled_tree(
         others = sorted((n for n in new_nodes if n != main), key=lambda n: -cumulative[n])
         frontier = ([main] if main is not None else []) + others
         frontier = frontier[:branching]
-        frontier_q = expand([_path(tokens, parents, n) for n in frontier]).float()
+        frontier_q = (yield [_path(tokens, parents, n) for n in frontier]).float()
     return TokenTree(tokens, parents, depths, torch.stack(rows), rule="without_replacement")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree shape chosen per request: best-first growth on a calibrated acceptance model
+# ---------------------------------------------------------------------------------------------
+
+TREE_SHAPES = ("fixed", "dynamic")
+# Known wrong variants of build_dynamic_tree, for tests that must see them caught:
+#   predraw: (children="sampled") each node's next child is drawn when it becomes a candidate,
+#     ranked by its drawn token's value, and the candidates never chosen are dropped at the end,
+#     so whether a drawn child stays in the tree depends on its own token (the natural best-first
+#     bug: recursive rejection sampling then sees children that are not draws from q).
+SHAPE_FAULTS = ("predraw",)
+
+
+def acceptance_parameters(alpha: float | None, predicted: float) -> tuple[float, float]:
+    """The calibration (``agree``, ``miss``) of the acceptance model at one depth.
+
+    ``predicted`` is the uncalibrated (draft-as-proxy) chance that a node's first child is
+    accepted, ``alpha`` the measured one (None: no measurement: (0, 0); :func:`tree_acceptance`
+    then takes the target to be the draft).
+    Measured above the proxy: the target agrees with the draft more often than the draft's own
+    probabilities say, ``agree`` = (alpha - predicted) / (1 - predicted); below it: part of the
+    time the target picks a token the draft does not offer, ``miss`` = 1 - alpha / predicted. In
+    both cases the first child's expected acceptance becomes ``alpha`` exactly (see
+    :func:`tree_acceptance` for the model)."""
+    if alpha is None:
+        return 0.0, 0.0
+    alpha, predicted = float(alpha), float(predicted)
+    if not 0.0 <= alpha <= 1.0 or not 0.0 <= predicted <= 1.0 + 1e-9:
+        raise ValueError(f"need 0 <= alpha <= 1 and 0 <= predicted <= 1, got {alpha} and {predicted}")
+    if alpha >= predicted:
+        return ((alpha - predicted) / (1.0 - predicted) if predicted < 1.0 else 0.0), 0.0
+    return 0.0, 1.0 - alpha / predicted
+
+
+def _at_depth(values: Sequence[float | None] | None, depth: int) -> float | None:
+    """values[depth - 1]; past the end, the last value; None when there are none."""
+    if values is None or len(values) == 0:
+        return None
+    return values[min(depth, len(values)) - 1]
+
+
+def _check_depth_values(name: str, values: Sequence[float | None] | None) -> None:
+    if values is None:
+        return
+    for value in values:
+        if value is not None and not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"{name} values must lie in [0, 1], got {list(values)}")
+
+
+def _node_parameters(predicted: float, depth: int, alpha, confidence, rule: str) -> tuple[float, float]:
+    """(agree, miss) for a node whose children are at ``depth``: fitted on the depth's mean
+    ``confidence`` when given, else on the node's own ``predicted`` (then the node's first child is
+    expected accepted with exactly alpha[depth]). Without a measurement the target is the draft:
+    (1, 0) for recursive rejection sampling (which then accepts any first child), (0, 0) for the
+    one-hot rule (which then accepts x with q(x))."""
+    measured = _at_depth(alpha, depth)
+    if measured is None:
+        return (1.0, 0.0) if rule == "without_replacement" else (0.0, 0.0)
+    mean = _at_depth(confidence, depth)
+    return acceptance_parameters(measured, predicted if mean is None else mean)
+
+
+def _prob64(row: torch.Tensor) -> torch.Tensor:
+    row = row.detach().double()
+    total = float(row.sum())
+    return row / total if total > 0 else row
+
+
+def predicted_first_acceptance(q: torch.Tensor, rule: str, first_token: int | None = None) -> float:
+    """The draft-as-proxy chance that a node's first child is accepted: q(first child's token) for
+    the one-hot rule (top-k: the argmax, so max q), and for children drawn from q (the
+    without-replacement rule) its expectation over the draw, Σ q²."""
+    q = _prob64(q)
+    if rule == "one_hot":
+        return float(q.max()) if first_token is None else float(q[first_token])
+    if rule == "without_replacement":
+        return float((q * q).sum())
+    raise ValueError(f"no acceptance model for the {rule!r} rule")
+
+
+def tree_acceptance(tree: TokenTree, alpha: Sequence[float] | None = None,
+                    confidence: Sequence[float | None] | None = None) -> list[float]:
+    """P(node accepted) for every node under the calibrated draft-as-proxy model (root: 1).
+
+    The model, per node j whose children are c_1, c_2, ... (in verification order) with tokens
+    x_i, all at depth d: the target's distribution at j is random, independently per node:
+    with probability ``agree`` it agrees with the draft (RRS, children drawn from q: the target
+    is q, so the first child is accepted whatever its token; one-hot rule: the target's token is
+    the first child's), with probability (1 - agree) · ``miss`` it is a token the draft never
+    offers, and otherwise it is a single token y drawn from q (the draft's probabilities are
+    the chance of each token: EAGLE-2's confidence proxy). Under the tree's own rule
+    (``tree.rule``: "one_hot" or "without_replacement") child i is then accepted, given j was,
+    with probability
+
+        r_1 = agree + (1 - agree)(1 - miss) q(x_1),    r_i = (1 - agree)(1 - miss) q(x_i) (i > 1)
+
+    (the walk accepts c_i iff y = x_i, or i = 1 when the target agrees), and a node is accepted
+    with the product of r along its path. With no ``alpha`` the draft is the proxy: the target
+    is q itself, so the one-hot rule accepts x with q(x) (agree = miss = 0: EAGLE-2's value) and
+    recursive rejection sampling accepts every first child (agree = 1: only the chain has value;
+    measured at N = 16, T = 1 on synthetic pairs, the uncalibrated q(x) proxy under-rates the
+    rejection sampler's acceptance so much that its trees lost to the chain by 30-45%, so drawn
+    children get a tree only from a measurement). ``alpha[d - 1]``: the measured acceptance of a
+    first child at depth d (a chain's
+    acceptance at position d; past the end of the vector the last value); (agree, miss) come
+    from :func:`acceptance_parameters` with ``predicted`` = ``confidence[d - 1]`` (the mean
+    draft-as-proxy prediction over the steps alpha was measured on) or, where it is None, the
+    node's own :func:`predicted_first_acceptance`.
+    """
+    _check_depth_values("alpha", alpha)
+    _check_depth_values("confidence", confidence)
+    kids = tree_children(tree.parents)
+    reach = [0.0] * tree.num_nodes
+    reach[ROOT] = 1.0
+    for node in range(tree.num_nodes):  # parents first: reach[node] is final here
+        if not kids[node]:
+            continue
+        q = _prob64(tree.node_probs[kids[node][0]])
+        first = tree.tokens[kids[node][0]]
+        predicted = predicted_first_acceptance(q, tree.rule, first)
+        agree, miss = _node_parameters(predicted, tree.depths[node] + 1, alpha, confidence, tree.rule)
+        for rank, child in enumerate(kids[node]):
+            r = (agree if rank == 0 else 0.0) + (1.0 - agree) * (1.0 - miss) * float(q[tree.tokens[child]])
+            reach[child] = reach[node] * r
+    return reach
+
+
+def tree_expected_accepted_length(tree: TokenTree, alpha: Sequence[float] | None = None,
+                                  confidence: Sequence[float | None] | None = None) -> float:
+    """Expected accepted tokens of one verify step of ``tree`` (not counting the target's own
+    token), under the model of :func:`tree_acceptance`: Σ over draft nodes of P(accepted)."""
+    return float(sum(tree_acceptance(tree, alpha, confidence)[1:]))
+
+
+def chain_expected_accepted_length(alpha: Sequence[float], length: int) -> float:
+    """Expected accepted tokens of a chain of ``length`` drafts whose position d is accepted with
+    alpha[d - 1] (past the end: the last value) given the ones before: Σ_k Π_{d <= k} alpha[d-1].
+    The chain candidate for a controller comparing it with a tree's
+    :func:`tree_expected_accepted_length`."""
+    _check_depth_values("alpha", alpha)
+    total, reach = 0.0, 1.0
+    for depth in range(1, length + 1):
+        reach *= float(_at_depth(alpha, depth))
+        total += reach
+    return total
+
+
+@dataclass
+class _Node:
+    """An expanded node's candidate children (build_dynamic_tree)."""
+
+    q32: torch.Tensor  # the row stored for its children (the draft's q as expanded)
+    q64: torch.Tensor  # normalised float64 q
+    agree: float
+    miss: float
+    count: int = 0  # children added so far
+    order: list[int] | None = None  # top-k: tokens by decreasing q (q > 0)
+    remaining: torch.Tensor | None = None  # sampled: q64 without the tokens drawn so far
+    exhausted: bool = False
+    predrawn: tuple[int, float] | None = None  # fault "predraw": (token, acceptance)
+
+
+def build_dynamic_tree(
+    root_q: torch.Tensor,
+    expand: Callable[[list[list[int]]], torch.Tensor],
+    node_budget: int,
+    depth_limit: int,
+    **options,
+) -> TokenTree:
+    """A token tree whose shape is chosen from the draft's distributions (and the measured
+    acceptance by depth): grown best first, one node at a time, by the probability that the node
+    is accepted under the model of :func:`tree_acceptance`, with no fixed depth or width, until
+    ``node_budget`` draft nodes exist (or no candidate can be accepted).
+
+    A candidate is the next child of a node already in the tree; its value is the node's
+    P(accepted) times the model's chance r that the child is accepted given its parent was:
+    EAGLE-2's value (the path product of q) when the draft is the proxy, calibrated by
+    ``alpha`` / ``confidence`` (:func:`acceptance_parameters`). A confident draft therefore gets
+    a chain (top-k, q(top) >= 0.9 at every step: exactly the chain for N <= 21, since its N-th
+    node is worth >= 0.9^N > 0.1 >= any sibling), a flat one a wide, shallow tree. Drawn children
+    without ``alpha`` get the chain (see :func:`tree_acceptance`); with it, the calibrated tree.
+    ``max_children``: at most that many children per node (1: the chain).
+
+    ``children="topk"``: the children of a node are its most likely tokens in order (argmax
+    first), for the one-hot rule (T = 0, or top-k trees at T > 0): any choice that does not look
+    at the target is exact. The values are then fixed numbers, each at most its parent's and its
+    previous sibling's, so the greedy picks are the ``node_budget`` highest-valued nodes of the
+    infinite top-k tree: its expected accepted length (model) is the largest of every tree of
+    that many nodes, the greedy chain (``max_children=1``) and :func:`build_tree`'s trees among
+    them.
+
+    ``children="sampled"``: children drawn from q without replacement (``draw(q, count)`` or
+    :func:`sample_without_replacement` with ``generator``), for recursive rejection sampling.
+    The candidate value of a node's next child is its expectation *before the draw*
+    (r over x ~ q without the node's earlier children), the decision to add it is made on that,
+    and once drawn a child is never dropped nor moved: each node's children are one draw
+    sequence from its q, cut by a stopping rule that depends only on what was drawn before (here
+    and elsewhere in the tree) and never on the target. Recursive rejection sampling is exact
+    under any such rule (:func:`~vllm_specplugin.proposers.tree_verify.drawn_children_law`'s
+    argument, per step): after i children are drawn and rejected the residual is
+    norm((p - q_i)+), whatever the i-th token was, and both "stop" (draw from it) and "draw one
+    more" (accept min(1, p'/q'), else the next residual) emit that residual's law, so by
+    induction the node emits p. A drawn child's realised value (its token's q) is used from then
+    on, for its own children and for later choices. In expectation over the draws the model's
+    expected accepted length is at least the chain's (the chain's next node is always a
+    candidate, with value its expectation, and chain values only fall with depth).
+
+    Nodes are stored parents first in the order chosen (not breadth-first), siblings in draw
+    order; so a prefix of the nodes is the tree this builder grows with that smaller budget (the
+    best cut when vLLM's scheduler cuts the drafts). ``expand`` is called once per wave, for the
+    added nodes whose first child could beat every known candidate (an upper bound on its value,
+    exact when only ``alpha`` is given); at most budget - 1 calls (a chain: one per node, like
+    chain drafting); nodes at ``depth_limit`` and the last node added are never expanded. For
+    top-k the wave also expands the candidates not yet added whose value is at least ``prefetch``
+    times the wave's best bound (a flat draft's siblings then take one call); the tree does not
+    depend on ``prefetch``. Sampled children cannot be prefetched (a draw is a commitment).
+    ``fault``: one of :data:`SHAPE_FAULTS` (tests only). ``options`` are these keyword arguments
+    (``children``, ``alpha``, ``confidence``, ``max_children``, ``generator``, ``draw``,
+    ``prefetch``, ``fault``), with their defaults as :func:`dynamic_tree_steps` declares them.
+    """
+    return drive(dynamic_tree_steps(root_q, node_budget, depth_limit, **options), expand)
+
+
+def dynamic_tree_steps(
+    root_q: torch.Tensor,
+    node_budget: int,
+    depth_limit: int,
+    *,
+    children: str = "topk",
+    alpha: Sequence[float] | None = None,
+    confidence: Sequence[float | None] | None = None,
+    max_children: int | None = None,
+    generator: torch.Generator | None = None,
+    draw: Callable[[torch.Tensor, int], list[int]] | None = None,
+    prefetch: float = 0.25,
+    fault: str | None = None,
+) -> Generator[list[list[int]], torch.Tensor, TokenTree]:
+    """:func:`build_dynamic_tree` as a generator (its options, with their defaults, are these keyword
+    arguments), for growing many trees in one batch: it yields the
+    paths to expand ([len(paths)] token lists) and is sent their processed distributions
+    [len(paths), V]; it returns the tree (:func:`drive` runs it with an ``expand``)."""
+    if node_budget < 0 or depth_limit < 0:
+        raise ValueError(f"need node_budget >= 0 and depth_limit >= 0; got {node_budget}, {depth_limit}")
+    if children not in TREE_CHILDREN:
+        raise ValueError(f"children must be one of {TREE_CHILDREN}, got {children!r}")
+    if max_children is not None and max_children < 1:
+        raise ValueError(f"max_children must be >= 1, got {max_children}")
+    if fault is not None and (fault not in SHAPE_FAULTS or children != "sampled"):
+        raise ValueError(f"unknown fault {fault!r} for children={children!r}; known: {SHAPE_FAULTS} (sampled)")
+    _check_depth_values("alpha", alpha)
+    _check_depth_values("confidence", confidence)
+    sampled = children == "sampled"
+    rule = "without_replacement" if sampled else "one_hot"
+    if sampled and draw is None:
+        def draw(q, count):
+            return sample_without_replacement(q, count, generator)
+    vocab = root_q.shape[-1]
+    tokens, parents, depths, reach = [-1], [-1], [0], [1.0]
+    rows = [torch.zeros(vocab, dtype=torch.float32, device=root_q.device)]
+    nodes: dict[int, _Node] = {}
+    heap: list[tuple[float, int]] = []  # (-value, node): each expanded node's next candidate
+    unexpanded: list[int] = []  # added nodes above the depth limit whose q is not known yet
+    prefetched: dict[tuple[int, ...], torch.Tensor] = {}
+    width_cap = node_budget if max_children is None else min(node_budget, max_children)
+
+    def acceptance(state: _Node, rank: int, q_token: float) -> float:
+        return (state.agree if rank == 0 else 0.0) + (1.0 - state.agree) * (1.0 - state.miss) * q_token
+
+    def candidate(node: int) -> None:
+        """Push the node's next child candidate, valued before any draw (but fault "predraw")."""
+        state = nodes[node]
+        if state.count >= width_cap or state.exhausted:
+            return
+        if not sampled:
+            if state.count >= len(state.order):
+                return
+            value = reach[node] * acceptance(state, state.count, float(state.q64[state.order[state.count]]))
+        elif fault == "predraw":
+            drawn = draw(state.remaining, 1)
+            if not drawn:
+                state.exhausted = True
+                return
+            token = int(drawn[0])
+            state.remaining[token] = 0
+            r = acceptance(state, state.count, float(state.q64[token]))
+            state.predrawn = (token, r)
+            value = reach[node] * r
+        else:
+            mass = float(state.remaining.sum())
+            if not mass > 0:
+                return
+            expected_q = float((state.remaining * state.q64).sum()) / mass
+            value = reach[node] * acceptance(state, state.count, expected_q)
+        if value > 0:
+            heapq.heappush(heap, (-value, node))
+
+    def open_node(node: int, q: torch.Tensor) -> None:
+        q32 = q.detach().float()
+        q64 = _prob64(q32)
+        if sampled:
+            order, remaining = None, q64.clone()
+            predicted = predicted_first_acceptance(q64, rule)
+        else:
+            k = min(vocab, width_cap)
+            values, indices = torch.topk(q64, k)
+            ranked = sorted(zip(values.tolist(), indices.tolist()), key=lambda vt: (-vt[0], vt[1]))
+            order = [t for v, t in ranked if v > 0]
+            remaining = None
+            predicted = float(q64[order[0]]) if order else 0.0
+        agree, miss = _node_parameters(predicted, depths[node] + 1, alpha, confidence, rule)
+        nodes[node] = _Node(q32, q64, agree, miss, order=order, remaining=remaining)
+        candidate(node)
+
+    def bound(node: int) -> float:
+        """An upper bound on the value of the node's first child (exact when alpha alone is given)."""
+        depth = depths[node] + 1
+        measured = _at_depth(alpha, depth)
+        if measured is None:
+            return reach[node]
+        mean = _at_depth(confidence, depth)
+        if mean is None:
+            return reach[node] * float(measured)
+        agree, miss = acceptance_parameters(measured, mean)
+        return reach[node] * (agree + (1.0 - agree) * (1.0 - miss))
+
+    def prefetch_paths(threshold: float, room: int) -> list[tuple[int, ...]]:
+        """Top-k: paths of not yet added candidates worth expanding in this wave."""
+        found = []
+        for node, state in nodes.items():
+            if depths[node] + 1 >= depth_limit:
+                continue
+            for rank in range(state.count, min(len(state.order), width_cap)):
+                value = reach[node] * acceptance(state, rank, float(state.q64[state.order[rank]]))
+                if value < threshold:
+                    break  # values fall with rank
+                path = tuple(_path(tokens, parents, node)) + (state.order[rank],)
+                if path not in prefetched:
+                    found.append((-value, path))
+        return [path for _, path in sorted(found)[:room]]
+
+    if node_budget > 0 and depth_limit > 0:
+        open_node(ROOT, root_q)
+    while len(tokens) - 1 < node_budget:
+        best = -heap[0][0] if heap else 0.0
+        wave = [node for node in unexpanded if bound(node) > best]
+        if wave:
+            paths = [tuple(_path(tokens, parents, node)) for node in wave]
+            extra = []
+            if not sampled and prefetch > 0:
+                room = node_budget - (len(tokens) - 1) - 1
+                extra = prefetch_paths(prefetch * max(bound(node) for node in wave), room)
+            q_rows = yield [list(p) for p in paths + extra]
+            for path, row in zip(extra, q_rows[len(wave):]):
+                prefetched[path] = row
+            for node, row in zip(wave, q_rows):
+                unexpanded.remove(node)
+                open_node(node, row)
+            continue
+        if not heap:
+            break
+        _, node = heapq.heappop(heap)
+        state = nodes[node]
+        if not sampled:
+            token = state.order[state.count]
+            r = acceptance(state, state.count, float(state.q64[token]))
+        elif fault == "predraw":
+            (token, r), state.predrawn = state.predrawn, None
+        else:
+            drawn = draw(state.remaining, 1)
+            if not drawn:  # the support ran out
+                state.exhausted = True
+                continue
+            token = int(drawn[0])
+            state.remaining[token] = 0
+            r = acceptance(state, state.count, float(state.q64[token]))
+        child = len(tokens)
+        tokens.append(int(token))
+        parents.append(node)
+        depths.append(depths[node] + 1)
+        rows.append(state.q32)
+        reach.append(reach[node] * r)
+        state.count += 1
+        candidate(node)
+        if depths[child] < depth_limit:
+            path = tuple(_path(tokens, parents, child))
+            if path in prefetched:
+                open_node(child, prefetched.pop(path))
+            else:
+                unexpanded.append(child)
+    return TokenTree(tokens, parents, depths, torch.stack(rows), rule=rule)
+
+
+@dataclass
+class DepthAcceptance:
+    """One request's measured first-child acceptance by depth, from its verified drafts, for
+    :func:`build_dynamic_tree`'s ``alpha`` / ``confidence``.
+
+    Per depth d (index d - 1): ``reached``, the verified nodes at depth d - 1 whose first child
+    the verifier tried (the root, every accepted node with children); ``accepted``, how many of
+    those first children it accepted (a Bernoulli draw of the model's r_1 each: the emitted
+    token at a node equals its first child's token iff that child was accepted, since a
+    rejected token has no mass left in the residual); ``predicted``, the sum of those nodes'
+    draft-as-proxy predictions (:func:`predicted_first_acceptance`).
+    """
+
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)
+
+    def record(self, depth: int, accepted: bool, predicted: float) -> None:
+        while len(self.reached) < depth:
+            self.reached.append(0)
+            self.accepted.append(0)
+            self.predicted.append(0.0)
+        self.reached[depth - 1] += 1
+        self.accepted[depth - 1] += int(accepted)
+        self.predicted[depth - 1] += float(predicted)
+
+    def observe(self, tree: TokenTree, accepted_nodes: Sequence[int], submitted: Sequence[int] | None = None) -> None:
+        """Record one verify step of ``tree``: ``accepted_nodes`` root -> leaf (root excluded).
+        ``submitted``: the nodes verified when only a path of the tree was (a chain, root
+        excluded); then only the path's nodes that are their parent's first child count."""
+        kids = tree_children(tree.parents)
+        path = [ROOT] + list(accepted_nodes)
+        submitted = None if submitted is None else list(submitted)
+        for index, node in enumerate(path):
+            if not kids[node]:
+                continue
+            first = kids[node][0]
+            if submitted is not None and (index >= len(submitted) or submitted[index] != first):
+                continue  # the chain verified another child here (or nothing)
+            predicted = predicted_first_acceptance(tree.node_probs[first], tree.rule, tree.tokens[first])
+            taken = index + 1 < len(path) and path[index + 1] == first
+            self.record(tree.depths[node] + 1, taken, predicted)
+
+    def estimate(self, prior: Sequence[float] | None = None, weight: float = 4.0,
+                 prior_confidence: Sequence[float | None] | None = None,
+                 ) -> tuple[list[float] | None, list[float | None] | None]:
+        """(alpha, confidence) for build_dynamic_tree. Per observed depth: the measured acceptance
+        shrunk by ``weight`` pseudo-observations toward ``prior[d - 1]`` (the population's) or,
+        without a prior, toward this request's acceptance pooled over all depths (deep depths
+        see few nodes); and the mean draft-as-proxy prediction over the same nodes (so the model
+        keeps each node's own confidence). Deeper than observed: the prior with
+        ``prior_confidence`` (None: fitted per node) where given, else the deepest observed
+        values. Before any observation: the prior, or (None, None)."""
+        observed = len(self.reached)
+        if observed == 0 or sum(self.reached) == 0:
+            if not prior:
+                return None, None
+            return list(prior), (None if prior_confidence is None else list(prior_confidence))
+        pooled = sum(self.accepted) / sum(self.reached)
+        alpha: list[float] = []
+        confidence: list[float | None] = []
+        for depth in range(1, max(observed, len(prior) if prior else 0) + 1):
+            if depth <= observed and self.reached[depth - 1] > 0:
+                n = self.reached[depth - 1]
+                base = _at_depth(prior, depth)
+                base = pooled if base is None else float(base)
+                alpha.append((self.accepted[depth - 1] + weight * base) / (n + weight))
+                confidence.append(min(1.0, self.predicted[depth - 1] / n))
+            elif prior:
+                alpha.append(float(_at_depth(prior, depth)))
+                confidence.append(_at_depth(prior_confidence, depth))
+            else:
+                alpha.append(alpha[-1])
+                confidence.append(confidence[-1])
+        return alpha, confidence
 
 
 @dataclass
@@ -342,6 +856,9 @@ class TreeStats:
     greedy_expected_length: float = 0.0  # Σ the same for the greedy chain of the same tree
     drafted_tokens: int = 0
     expand_calls: int = 0
+    # shape="dynamic": Σ the model's expected accepted length of what was submitted
+    # (tree_expected_accepted_length for a tree, the path's for a chain), and of the trees built.
+    model_expected_length: float = 0.0
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)
@@ -352,6 +869,9 @@ class _Pending:
     context_length: int
     tokens: list[int] = field(default_factory=list)
     parents: list[int] | None = None  # a submitted tree (root included): tokens are its nodes 1..N-1
+    # shape="dynamic": the drafted tree and, for a chain, the submitted path's nodes (root excluded)
+    tree: TokenTree | None = None
+    path_nodes: list[int] | None = None
 
 
 def tree_accepted_path(tokens: Sequence[int], parents: Sequence[int], emitted: Sequence[int]) -> list[int]:
@@ -371,18 +891,98 @@ def tree_accepted_path(tokens: Sequence[int], parents: Sequence[int], emitted: S
     return path
 
 
+@dataclass(eq=False)
+class _TreeGrowth:
+    """One request's tree while :meth:`TreeProposer.propose` grows the batch's trees together."""
+
+    request: DraftRequest
+    context: list[int]
+    params: SamplingParams  # the processing of the draft's q (greedy: T = 1, see _plan)
+    depth: int
+    budget: int
+    submit_tree: bool
+    dynamic: bool
+    sampled: bool
+    alpha: list[float] | None = None  # the dynamic shape's calibration (TreeProposer.calibration)
+    confidence: list[float | None] | None = None
+    root_q: torch.Tensor | None = None  # [V] processed
+    paths: list[list[int]] | None = None  # what the builder asks for next; None once grown
+    tree: TokenTree | None = None
+    _steps: Generator | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def start(self, root_q: torch.Tensor, proposer: TreeProposer) -> None:
+        self.root_q = root_q
+        self._steps = proposer._steps(self, root_q)
+        self._advance(None)
+
+    def answer(self, q_rows: torch.Tensor) -> None:
+        """``q_rows`` [len(paths), V]: the processed distributions after each asked path."""
+        self._advance(q_rows)
+
+    def _advance(self, q_rows: torch.Tensor | None) -> None:
+        try:
+            self.paths = next(self._steps) if q_rows is None else self._steps.send(q_rows)
+        except StopIteration as done:
+            self.tree, self.paths = done.value, None
+
+
 class TreeProposer(Proposer):
     """Grows a token tree per request on an :class:`EnsembleProposer`'s drafts (1–3 models) and
-    proposes the path with the highest expected accepted length, as a chain."""
+    proposes the path with the highest expected accepted length, as a chain, or (``verify="tree"``,
+    requests marked ``tree_ok``) the whole tree.
+
+    ``shape`` chooses how the tree is grown:
+
+    * ``"fixed"`` (default, as before): :func:`build_tree` / :func:`build_sampled_tree`, per depth
+      up to ``branching`` children for up to ``branching`` nodes; a submitted tree is at most
+      ``max_depth`` or ceil(budget / branching) deep.
+    * ``"dynamic"``: :func:`build_dynamic_tree`, grown best first by each node's probability of
+      being accepted (EAGLE-2's path product of q, calibrated by the measured acceptance by
+      depth), with no fixed depth or width: a confident draft gets a chain of the whole budget,
+      an uncertain one a wide, shallow tree; under its model never worse than the chain of the
+      same budget. ``branching`` is not used; ``max_depth`` still caps the depth. Children are
+      drawn without replacement at T > 0 (``children="sampled"``, verified by recursive
+      rejection sampling) or are the top-k (one-hot rule) as with the fixed shape. The
+      calibration of a request is, in order: what :meth:`set_alpha` gave for it; else its own
+      measured first-child acceptance by depth (:class:`DepthAcceptance`, from the outcomes of its
+      earlier drafts), shrunk toward ``alpha`` by ``calibration_weight`` pseudo-observations;
+      else ``alpha``, the population's acceptance by depth (a chain's, per position), with
+      ``confidence``, the population's mean draft-as-proxy prediction over the same drafts
+      (:func:`predicted_first_acceptance`; None: fitted per node, which makes every node's first
+      child worth alpha, losing what its own confidence says); else none: the draft is the proxy,
+      which for drawn children (T > 0, ``children="sampled"``) means the chain, until the
+      request's own outcomes calibrate it (see :func:`tree_acceptance`). A request's calibration
+      depends only on its own history, so a seeded request stays reproducible. A chain drawn
+      this way is handed to vLLM with the rows its tokens were drawn from (standard speculative
+      sampling), any other tree with one-hot rows.
+    """
 
     def __init__(self, ensemble: EnsembleProposer, node_budget: int = 16, branching: int = 3,
-                 verify: str = "chain", max_depth: int | None = None, children: str = "sampled"):
+                 verify: str = "chain", max_depth: int | None = None, children: str = "sampled",
+                 shape: str = "fixed", alpha: Sequence[float] | None = None,
+                 confidence: Sequence[float | None] | None = None, calibration_weight: float = 4.0):
         if node_budget < 1 or branching < 1:
             raise ValueError(f"need node_budget >= 1 and branching >= 1, got {node_budget} and {branching}")
         if verify not in ("chain", "tree"):
             raise ValueError(f"verify must be 'chain' or 'tree', got {verify!r}")
         if children not in TREE_CHILDREN:
             raise ValueError(f"children must be one of {TREE_CHILDREN}, got {children!r}")
+        if shape not in TREE_SHAPES:
+            raise ValueError(f"shape must be one of {TREE_SHAPES}, got {shape!r}")
+        _check_depth_values("alpha", alpha)
+        _check_depth_values("confidence", confidence)
+        if calibration_weight < 0:
+            raise ValueError(f"calibration_weight must be >= 0, got {calibration_weight}")
+        self.shape = shape
+        self.alpha = None if alpha is None else [float(a) for a in alpha]
+        self.confidence = None if confidence is None else list(confidence)
+        self.calibration_weight = calibration_weight
+        self._request_alpha: dict[str, tuple[list[float], list[float | None] | None]] = {}
+        self._measured: dict[str, DepthAcceptance] = {}
         self.ensemble = ensemble
         self.node_budget = node_budget
         self.branching = branching
@@ -409,26 +1009,70 @@ class TreeProposer(Proposer):
     def free(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
         self.last_trees.pop(request_id, None)
+        self._request_alpha.pop(request_id, None)
+        self._measured.pop(request_id, None)
         self.ensemble.free(request_id)
 
     def tracked_request_ids(self) -> set[str]:
-        return set(self._pending) | set(self.last_trees) | self.ensemble.tracked_request_ids()
+        return (set(self._pending) | set(self.last_trees) | set(self._request_alpha) | set(self._measured)
+                | self.ensemble.tracked_request_ids())
+
+    def set_alpha(self, request_id: str, alpha: Sequence[float] | None,
+                  confidence: Sequence[float | None] | None = None) -> None:
+        """Fix the calibration of one request's dynamic trees (a controller's measured acceptance of
+        a first child / chain position by depth, and optionally the mean draft-as-proxy prediction
+        over the same steps; see :func:`tree_acceptance`); None returns it to the proposer's own
+        estimate. Kept until :meth:`free`."""
+        if alpha is None:
+            self._request_alpha.pop(request_id, None)
+            return
+        _check_depth_values("alpha", alpha)
+        _check_depth_values("confidence", confidence)
+        self._request_alpha[request_id] = ([float(a) for a in alpha], None if confidence is None else list(confidence))
+
+    def calibration(self, request_id: str) -> tuple[list[float] | None, list[float | None] | None]:
+        """(alpha, confidence) the next dynamic tree of this request is grown with."""
+        if request_id in self._request_alpha:
+            return self._request_alpha[request_id]
+        return self._measured.get(request_id, DepthAcceptance()).estimate(self.alpha, self.calibration_weight,
+                                                                          self.confidence)
 
     @torch.no_grad()
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """One tree per request, grown for all requests together: each depth (each wave of a
+        dynamic tree) of every request's tree is one draft forward per draft model, not one per
+        request (the trees and their draws are each request's own, as if grown alone)."""
         started = time.perf_counter()
         # The ensemble's own step timing (its propose() is not called when wrapped).
         self.ensemble.time_step(started, requests)
-        drafts = []
         for request in requests:
             self._observe(request)
-            drafts.append(self._draft_one(request))
+        plans = [self._plan(request) for request in requests]
+        growing = [plan for plan in plans if isinstance(plan, _TreeGrowth)]
+        if growing:
+            roots = self.ensemble.root_distributions([g.request_id for g in growing], [g.context for g in growing])
+            for growth, root in zip(growing, roots):
+                growth.start(processed_probs(root.log(), growth.params), self)
+            self._grow(growing)
+        drafts = [plan if isinstance(plan, Draft) else self._finish(plan) for plan in plans]
         self.metrics.propose_calls += 1
         self.metrics.draft_time_s += time.perf_counter() - started
         self.ensemble.sync_cost_counters()
         return drafts
 
-    def _draft_one(self, request: DraftRequest) -> Draft:
+    def _grow(self, growing: list[_TreeGrowth]) -> None:
+        """Run every request's tree builder to its tree, answering all the paths they ask for at
+        once with one batched forward per draft model."""
+        asking = [g for g in growing if g.paths is not None]
+        while asking:
+            mixtures = self.ensemble.branch_distributions_of([(g.request_id, g.context, g.paths) for g in asking])
+            self.stats.expand_calls += len(asking)
+            for growth, mixture in zip(asking, mixtures):
+                growth.answer(processed_probs_rows(mixture.log(), [growth.params] * len(growth.paths)))
+            asking = [g for g in asking if g.paths is not None]
+
+    def _plan(self, request: DraftRequest) -> Draft | _TreeGrowth:
+        """What a request's tree will be (budget, depth, kind of children), or its empty draft."""
         rid, context, params = request.request_id, list(request.context), request.params
         if params.greedy:
             # Greedy verification accepts x iff x is the target's argmax; the draft's unprocessed
@@ -439,25 +1083,44 @@ class TreeProposer(Proposer):
             self.metrics.fallback_requests += 1
         if depth == 0 or not context:
             return self.empty_draft()
-        root_q = processed_probs(self.ensemble.root_distribution(rid, context).log(), params)
-
-        def expand(paths: list[list[int]]) -> torch.Tensor:
-            self.stats.expand_calls += 1
-            mixture = self.ensemble.branch_distributions(rid, context, paths)
-            return processed_probs_rows(mixture.log(), [params] * len(paths))
-
         submit_tree = self.verify == "tree" and request.tree_ok
         # A submitted tree is the draft: its nodes must fit in the request's draft budget (gamma).
         budget = min(self.node_budget, request.gamma) if submit_tree else self.node_budget
+        dynamic = self.shape == "dynamic"
         if submit_tree:
-            depth = min(depth, budget, self.max_depth or -(-budget // self.branching))
+            depth = min(depth, budget, self.max_depth or (budget if dynamic else -(-budget // self.branching)))
         elif self.max_depth is not None:
             depth = min(depth, self.max_depth)
-        if submit_tree and not request.params.greedy and self.children == "sampled":
-            tree = build_sampled_tree(root_q, expand, budget, depth, self.branching, request.generator)
+        sampled = submit_tree and not request.params.greedy and self.children == "sampled"
+        alpha, confidence = self.calibration(rid) if dynamic else (None, None)
+        return _TreeGrowth(request, context, params, depth, budget, submit_tree, dynamic, sampled, alpha, confidence)
+
+    def _steps(self, growth: _TreeGrowth, root_q: torch.Tensor):
+        """The tree builder of ``growth`` as a generator (see :func:`drive`)."""
+        generator = growth.request.generator if growth.sampled else None
+        if growth.dynamic:
+            return dynamic_tree_steps(root_q, growth.budget, growth.depth,
+                                      children="sampled" if growth.sampled else "topk",
+                                      alpha=growth.alpha, confidence=growth.confidence, generator=generator)
+        if growth.sampled:
+            return sampled_tree_steps(root_q, growth.budget, growth.depth, self.branching, generator)
+        return tree_steps(root_q, growth.budget, growth.depth, self.branching)
+
+    def _finish(self, growth: _TreeGrowth) -> Draft:
+        """The draft of a grown tree (a submitted tree, or its best path as a chain), and the
+        request's pending state for scoring it at the next step."""
+        tree, rid, context, root_q = growth.tree, growth.request_id, growth.context, growth.root_q
+        submit_tree, dynamic, depth = growth.submit_tree, growth.dynamic, growth.depth
+        reach = None
+        if dynamic:
+            reach = tree_acceptance(tree, growth.alpha, growth.confidence)
+            self.stats.model_expected_length += sum(reach[1:]) if submit_tree else 0.0
+        if reach is not None and not submit_tree:
+            # The path with the most expected accepted tokens under the calibrated model.
+            node = max(range(tree.num_nodes), key=lambda n: (sum(reach[i] for i in tree.ancestry(n)[1:]), -n))
+            self.stats.model_expected_length += sum(reach[i] for i in tree.ancestry(node)[1:])
         else:
-            tree = build_tree(root_q, expand, budget, depth, self.branching)
-        node = tree.best_node(max_depth=depth)
+            node = tree.best_node(max_depth=depth)
         tokens = tree.path(node)
         self.last_trees[rid] = tree
         self.stats.trees += 1
@@ -478,10 +1141,19 @@ class TreeProposer(Proposer):
             # which is what vLLM's chain sampler needs should it verify these tokens as a chain
             # (exact for any drafts chosen without looking at the target, sampled ones included).
             nodes = tree.tokens[1:]
-            self._pending[rid] = _Pending(len(context), nodes, list(tree.parents))
-            probs = torch.nn.functional.one_hot(torch.tensor(nodes), self.vocab_size).float()
-            return Draft(nodes, probs.to(root_q.device), parents=list(tree.parents))
-        self._pending[rid] = _Pending(len(context), tokens)
+            self._pending[rid] = _Pending(len(context), nodes, list(tree.parents), tree if dynamic else None)
+            probs = torch.nn.functional.one_hot(torch.tensor(nodes), self.vocab_size).float().to(root_q.device)
+            if dynamic and tree.rule == "without_replacement" and all(
+                    parent == node - 1 for node, parent in enumerate(tree.parents)):
+                # A drawn chain (the dynamic shape of a confident draft): vLLM's chain sampler
+                # verifies it (the tree verifier leaves chains to it), and each token was drawn
+                # from its row, so hand the rows: its min(1, p/q) is then recursive rejection
+                # sampling with one child per node (exact), which accepts more than one-hot q's
+                # p(x). Any prefix vLLM may verify is such a chain too.
+                probs = tree.node_probs[1:].to(probs)
+            return Draft(nodes, probs, parents=list(tree.parents))
+        self._pending[rid] = _Pending(len(context), tokens, None, tree if dynamic else None,
+                                      tree.ancestry(node)[1:] if dynamic else None)
         # The path is a deterministic function of the draft's distributions (no sampling), so for
         # the chain verifier each token was "drawn" from the one-hot at itself: one-hot q is the
         # exact verification distribution (accept with p(x), else resample from p without x).
@@ -497,6 +1169,13 @@ class TreeProposer(Proposer):
         if pending.parents is not None:
             # A tree: per depth, "drafted" is the tree's depth and "accepted" the path's length.
             depth = max(tree_depths(pending.parents))
-            self.metrics.record_outcome(depth, len(tree_accepted_path(pending.tokens, pending.parents, emitted)))
+            accepted = tree_accepted_path(pending.tokens, pending.parents, emitted)
+            self.metrics.record_outcome(depth, len(accepted))
+            if pending.tree is not None:
+                self._measured.setdefault(request.request_id, DepthAcceptance()).observe(pending.tree, accepted)
             return
-        self.metrics.record_outcome(len(pending.tokens), accepted_count(pending.tokens, emitted))
+        count = accepted_count(pending.tokens, emitted)
+        self.metrics.record_outcome(len(pending.tokens), count)
+        if pending.tree is not None:
+            self._measured.setdefault(request.request_id, DepthAcceptance()).observe(
+                pending.tree, pending.path_nodes[:count], submitted=pending.path_nodes)

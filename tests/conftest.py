@@ -164,3 +164,21 @@ def cpu_rejection_sampler():
         from vllm.triton_utils.dispatcher import register_kernels
 
         register_kernels({sampler_repair.EXPAND_KERNEL: before})
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Test time per module (set-up + call + tear-down, summed over both workers), the longest
+    first: what `make test`'s wall time is made of, for keeping it under its budget."""
+    per_module: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            nodeid, duration = getattr(report, "nodeid", None), getattr(report, "duration", None)
+            if nodeid and isinstance(duration, float):
+                module = nodeid.split("::", 1)[0]
+                per_module[module] = per_module.get(module, 0.0) + duration
+    if not per_module:
+        return
+    total = sum(per_module.values())
+    terminalreporter.write_sep("=", f"test time by module: {total:.0f} s in all")
+    for module, seconds in sorted(per_module.items(), key=lambda kv: -kv[1])[:40]:
+        terminalreporter.write_line(f"{seconds:8.0f} s  {100 * seconds / total:5.1f}%  {module}")

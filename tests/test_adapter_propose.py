@@ -19,7 +19,7 @@ import torch
 
 from vllm_specplugin import adapters, metrics as plugin_metrics
 from vllm_specplugin.proposers.sampling import SamplingParams
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 from vllm_specplugin.runner_shim import BatchView
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")

@@ -116,6 +116,15 @@ MALFORMED = [
     ("tree not an object", {"specplugin": {"tree_drafting": "big"}}, "tree_drafting"),
     ("tree unknown key", {"specplugin": {"tree_drafting": {"depth": 3}}}, "tree_drafting.depth"),
     ("tree zero budget", {"specplugin": {"tree_drafting": {"node_budget": 0}}}, "tree_drafting.node_budget"),
+    ("tree shape unknown", {"specplugin": {"tree_drafting": {"shape": "wide"}}}, "tree_drafting.shape"),
+    ("tree alpha without the dynamic shape", {"specplugin": {"tree_drafting": {"alpha": [0.8]}}}, "tree_drafting.alpha"),
+    ("tree alpha above one", {"specplugin": {"tree_drafting": {"shape": "dynamic", "alpha": [1.2]}}},
+     "tree_drafting.alpha"),
+    ("tree alpha empty", {"specplugin": {"tree_drafting": {"shape": "dynamic", "alpha": []}}}, "tree_drafting.alpha"),
+    ("tree confidence not a list", {"specplugin": {"tree_drafting": {"shape": "dynamic", "confidence": 0.5}}},
+     "tree_drafting.confidence"),
+    ("tree calibration weight negative",
+     {"specplugin": {"tree_drafting": {"shape": "dynamic", "calibration_weight": -1}}}, "tree_drafting.calibration_weight"),
     ("draft fast path not a bool", {"specplugin": {"draft_fast_path": "yes"}}, "draft_fast_path"),
     ("draft-free sampler unknown", {"specplugin": {"draft_free_sampler": "fast"}}, "draft_free_sampler"),
     ("invalid JSON string", "{specplugin: ", "additional_config"),
@@ -156,3 +165,21 @@ def test_engine_start_up_rejects_malformed_config(random_target):
     )
     with pytest.raises(SpecPluginConfigError, match="'cpu_sampler_repair'"):
         args.create_engine_config()
+
+
+def test_dynamic_tree_shape_keys_reach_the_tree_proposer():
+    """The shape keys are accepted as given and are TreeProposer's own arguments (the adapter
+    passes tree_drafting as keyword arguments), and the config's shape names are the proposer's."""
+    import inspect
+
+    from vllm_specplugin.config import TREE_SHAPES
+    from vllm_specplugin.proposers.tree import TREE_SHAPES as PROPOSER_SHAPES
+    from vllm_specplugin.proposers.tree import TreeProposer
+
+    raw = {"tree_drafting": {"shape": "dynamic", "alpha": [0.9, 0.7], "confidence": [0.8, 0.6],
+                             "calibration_weight": 2, "verify": "tree", "node_budget": 8}}
+    tree = SpecPluginConfig.from_dict(raw).tree_drafting
+    assert tree == {"shape": "dynamic", "alpha": [0.9, 0.7], "confidence": [0.8, 0.6],
+                    "calibration_weight": 2.0, "verify": "tree", "node_budget": 8}
+    assert set(tree) <= set(inspect.signature(TreeProposer).parameters)
+    assert TREE_SHAPES == PROPOSER_SHAPES

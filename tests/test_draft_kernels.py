@@ -18,7 +18,7 @@ from vllm_specplugin.draft_kernels import (VLLM_CPU_KERNELS, draft_kernels, oned
                                             vllm_kernels_run)
 from vllm_specplugin.proposers.draft_runtime import DraftBatch, DraftRuntime
 from vllm_specplugin.proposers.lean_llama import TORCH_KERNELS
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 DRAFT = os.path.join(REPO_ROOT, "models", "demo", "draft-small")
 VOCAB = 4096

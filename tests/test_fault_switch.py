@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from vllm_specplugin import fault_switch, faults, tree_verification
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 PRODUCT = [pathlib.Path(REPO_ROOT, d) for d in ("vllm_specplugin", "proposers", "stats", "verification", "throughput")]
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 
 def test_gpu_bench_script_smoke_run_on_cpu(tmp_path):

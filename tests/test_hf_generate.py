@@ -20,7 +20,8 @@ from vllm_specplugin.proposers.hf_generate import (CUSTOM_GENERATE_DIR, Speculat
                                                    processed_target_scores, speculative_decoding,
                                                    speculative_generate)
 from vllm_specplugin.verification.algorithm import process_logits
-from vllm_specplugin.verification.drivers import REPO_ROOT, SamplingConfig
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
+from vllm_specplugin.verification.drivers import SamplingConfig
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
 TARGET = os.path.join(DEMO, "target")

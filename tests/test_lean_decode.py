@@ -14,7 +14,7 @@ import torch
 from vllm_specplugin.proposers.draft_runtime import DraftBatch, DraftRuntime
 from vllm_specplugin.proposers.lean_decode import TORCH_OUT_KERNELS, LeanDecode
 from vllm_specplugin.proposers.lean_llama import TORCH_KERNELS
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 from test_draft_kernels import vllm_kernels_or_fallback  # same directory (pytest rootdir import)
 from test_proposers_draft_runtime import _tiny_checkpoint

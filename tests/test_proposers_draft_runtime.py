@@ -12,7 +12,7 @@ import torch
 from vllm_specplugin.proposers.draft_runtime import DraftModelError, DraftRuntime
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs
 from vllm_specplugin.verification.algorithm import process_logits
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 DRAFT = os.path.join(REPO_ROOT, "models", "demo", "draft-tiny")
 VOCAB = 4096

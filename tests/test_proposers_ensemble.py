@@ -12,7 +12,7 @@ from vllm_specplugin.proposers.base import GREEDY, DraftRequest
 from vllm_specplugin.proposers.draft_runtime import DraftRuntime
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
 VOCAB = 4096

@@ -11,7 +11,7 @@ from vllm_specplugin.proposers.base import DraftRequest
 from vllm_specplugin.proposers.draft_runtime import DraftRuntime
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.prefix_cache import PrefixCache
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 DRAFT = os.path.join(REPO_ROOT, "models", "demo", "draft-small")
 SYSTEM_PROMPT = np.random.default_rng(0).integers(3, 4096, 208).tolist()

@@ -13,7 +13,7 @@ from vllm_specplugin.proposers.draft_runtime import DraftRuntime
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs
 from vllm_specplugin.proposers.tree import TokenTree, TreeProposer, build_tree, enumerate_draws
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
 VOCAB = 4096
@@ -390,3 +390,41 @@ def test_sampled_tree_shape_and_draws():
     for node in range(tree.num_nodes):
         kids = tree.children(node)
         assert len({tree.tokens[k] for k in kids}) == len(kids)  # without replacement
+
+
+@pytest.mark.parametrize("shape,verify", [("fixed", "chain"), ("fixed", "tree"), ("dynamic", "tree")])
+def test_trees_grown_together_equal_trees_grown_alone(drafts, shape, verify):
+    """propose() grows every request's tree in one batched draft forward per depth (per wave):
+    each request gets the tree (tokens, shape, rows) and the draws it gets drafted alone, sampled
+    children from its own seeded generator included. Two drafts, mixed greedy / T > 0 requests,
+    different context lengths, one request without room."""
+    def requests():
+        return [
+            DraftRequest("a", context(30, seed=21), 6, TOP_K_50, torch.Generator().manual_seed(1), tree_ok=True),
+            DraftRequest("b", context(7, seed=22), 6, GREEDY, tree_ok=True),
+            DraftRequest("c", context(1024, seed=23), 6, TOP_K_50, tree_ok=True),  # no room: empty
+            DraftRequest("d", context(55, seed=24), 4, SamplingParams(temperature=1.3, top_p=0.9),
+                         torch.Generator().manual_seed(2), tree_ok=True),
+            DraftRequest("e", context(12, seed=25), 6, SamplingParams(temperature=0.7), torch.Generator().manual_seed(3),
+                         tree_ok=True),
+        ]
+
+    def proposer():
+        return TreeProposer(EnsembleProposer([drafts["draft-tiny"], drafts["draft-small"]]), node_budget=6,
+                            branching=2, verify=verify, shape=shape)
+
+    together = proposer()
+    batch = together.propose(requests())
+    alone = []
+    for request in requests():
+        single = proposer()
+        alone.append(single.propose([request])[0])
+        if request.request_id in single.last_trees:
+            tree, grown = single.last_trees[request.request_id], together.last_trees[request.request_id]
+            assert (grown.tokens, grown.parents) == (tree.tokens, tree.parents), request.request_id
+            torch.testing.assert_close(grown.node_probs, tree.node_probs, atol=1e-5, rtol=1e-4)
+    for request, got, expected in zip(requests(), batch, alone):
+        assert got.token_ids == expected.token_ids and got.parents == expected.parents, request.request_id
+        torch.testing.assert_close(got.probs, expected.probs, atol=1e-5, rtol=1e-4)
+    assert [bool(d.token_ids) for d in batch] == [True, True, False, True, True]
+    assert together.stats.trees == 4 and together.metrics.propose_calls == 1

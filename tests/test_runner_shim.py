@@ -22,7 +22,7 @@ import torch
 
 from vllm_specplugin import runner_shim
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
 DRAFTS = ["draft-tiny", "draft-small"]

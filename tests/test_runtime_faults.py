@@ -18,7 +18,7 @@ import torch
 from vllm_specplugin import adapters, faults
 from vllm_specplugin.proposers.sampling import SamplingParams
 from vllm_specplugin.runner_shim import BatchView
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
 K = 3
@@ -42,7 +42,7 @@ def test_draft_faults_are_announced(monkeypatch, caplog):
     monkeypatch.delenv(faults.ENV_VAR, raising=False)
     monkeypatch.setattr("vllm_specplugin.logging_utils._seen", set())
     with caplog.at_level(logging.WARNING, logger="vllm.specplugin"):
-        assert faults.requested_fault() is None  # read in every process by patches.install
+        assert faults.requested_fault() is None  # read in every process by install.install
     assert any("DRAFT FAULT INJECTED" in r.getMessage() and "nan:0.5" in r.getMessage() for r in caplog.records)
 
 
@@ -187,7 +187,7 @@ def test_shutdown_repair_wraps_async_llm_once(monkeypatch):
 
     from vllm_specplugin import shutdown_repair
 
-    # The plugin's registration (patches.install) may have wrapped it already in this process:
+    # The plugin's registration (install.install) may have wrapped it already in this process:
     # start from vLLM's own method (restored afterwards).
     original = getattr(AsyncLLM.shutdown, "__wrapped__", AsyncLLM.shutdown)
     monkeypatch.setattr(AsyncLLM, "shutdown", original)

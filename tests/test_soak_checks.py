@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from vllm_specplugin.verification import soak
+from vllm_specplugin.throughput import soak
 
 
 def job(max_tokens=8, n=1, stop=None, endpoint="completions", stream=False, ignore_eos=True):
@@ -180,6 +180,6 @@ def test_workload_within_bounds():
 
 
 def test_cli_help():
-    out = subprocess.run([sys.executable, "-m", "vllm_specplugin.verification.soak", "--help"],
+    out = subprocess.run([sys.executable, "-m", "vllm_specplugin.throughput.soak", "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--duration-s" in out.stdout and "--plain-model" in out.stdout

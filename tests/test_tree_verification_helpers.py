@@ -19,7 +19,7 @@ from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.sampling import SamplingParams
 from vllm_specplugin.proposers.tree import TreeProposer, tree_accepted_path
 from vllm_specplugin.proposers.tree_verify import tree_attention_mask
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 torch.set_num_threads(1)
 
@@ -351,6 +351,77 @@ def test_tree_rows_recomputed_from_the_paged_cache_and_compacted(isa, dtype, lay
     assert torch.equal(k[prefix + 1], key[start + 2]) and torch.equal(v[prefix + 1], value[start + 2])
     assert torch.equal(k[prefix + 2], key[start + 5]) and torch.equal(v[prefix + 2], value[start + 5])
     assert torch.equal(k[prefix], key[start]) and torch.equal(k[:prefix], prefix_k)  # root and prefix kept
+
+
+@pytest.mark.parametrize("isa,dtype,layout", [ISA_CASES[0], ISA_CASES[1]])
+def test_trees_of_a_batch_recomputed_together_equal_each_tree_alone(isa, dtype, layout, monkeypatch):
+    """Several tree requests of different sizes and prefix lengths, a plain decode row between
+    them, attended in one padded call (and in chunks of one entry): each tree row equals
+    :func:`tree_attention` of its own tree over its own prefix; the plain row is left alone; NaN
+    in cache blocks past a prefix (other requests' or never written) does not leak in; the saved
+    K/V and slots are each entry's."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    generator = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, block = 4, 2, 32, 16
+    impl, layer = _vllm_writer(dtype, block, dim, isa)
+    impl.scale = dim ** -0.5
+    shapes = [([-1, 0, 0, 1], 37), ([-1, 0, 1, 2, 2, 0, 5], 5), (list(PARENTS), 70)]  # (parents, prefix length)
+    cache = torch.full((16, kv_heads, block, 2 * dim), float("nan")).to(dtype)
+    tables = [[1, 2, 3], [4, 0, 0], [5, 6, 7, 8, 9]]  # a row's blocks past its prefix: NaN
+    table = torch.zeros(4, 5, dtype=torch.int32)
+    for row, blocks in zip((0, 2, 3), tables):
+        table[row, :len(blocks)] = torch.tensor(blocks)
+    entries, rows_of, prefixes, start = [], [], [], 0
+    slots, seq_lens = [], [0] * 4
+    for index, ((parents, prefix), row) in enumerate(zip(shapes, (0, 2, 3))):
+        if row == 2:  # a plain decode row (batch row 1) before this one
+            slots.append(15 * block)
+            seq_lens[1] = 9
+            start += 1
+        n = len(parents)
+
+        def slot(position, row=row):
+            return int(table[row, position // block]) * block + position % block
+
+        prefix_k = torch.randn(prefix, kv_heads, dim, generator=generator).to(dtype)
+        prefix_v = torch.randn(prefix, kv_heads, dim, generator=generator).to(dtype)
+        CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, prefix_k, prefix_v, cache,
+                                                   torch.tensor([slot(p) for p in range(prefix)]))
+        prefixes.append((prefix_k, prefix_v))
+        entries.append(tv.TreeEntry(row, f"r{index}", start, list(parents), [-1] + [7] * (n - 1),
+                                    tree_attention_mask(parents)))
+        rows_of.append(list(range(start, start + n)))
+        slots += [slot(prefix + i) for i in range(n)]
+        seq_lens[row] = prefix + n
+        start += n
+    total = start
+    query = torch.randn(total, heads, dim, generator=generator).to(dtype)
+    key = torch.randn(total, kv_heads, dim, generator=generator).to(dtype)
+    value = torch.randn(total, kv_heads, dim, generator=generator).to(dtype)
+    slots = torch.tensor(slots)
+    for entry, rows in zip(entries, rows_of):
+        CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, key[rows], value[rows], cache, slots[rows])
+    metadata = types.SimpleNamespace(seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
+                                     slot_mapping=slots)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    plain_row = rows_of[1][0] - 1
+    for chunk_bytes in (tv.TREE_ATTENTION_CHUNK_BYTES, 1):  # all at once; one entry per call
+        monkeypatch.setattr(tv, "TREE_ATTENTION_CHUNK_BYTES", chunk_bytes)
+        step = tv.TreeStep(entries, layout, None)
+        output = torch.zeros(total, heads, dim, dtype=dtype)
+        for _ in range(2):  # two layers: the step's layout is computed once
+            tv._recompute_tree_rows(impl, step, layer, query, key, value, cache, metadata, output)
+        assert not output[plain_row].any()
+        assert torch.isfinite(output.float()).all()
+        for entry, rows, (prefix_k, prefix_v), saved_k, saved_slots in zip(
+                entries, rows_of, prefixes, step.saved[1].keys, step.saved[1].slots):
+            expected = tv.tree_attention(query[rows], key[rows], value[rows], prefix_k, prefix_v, entry.mask, impl.scale)
+            # bf16: the output row is rounded to bf16 (relative 2^-8)
+            rtol = 1e-5 if dtype == torch.float32 else 2 ** -8
+            assert torch.allclose(output[rows].float(), expected, atol=tolerance / 10, rtol=rtol), entry.req_id
+            assert torch.equal(saved_k, key[rows]) and torch.equal(saved_slots, slots[rows])
+        assert len(step.saved) == 2
 
 
 def _fake_runner(tree_state=True):

@@ -14,10 +14,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import models_dir
 from vllm_specplugin.server import VllmServer, metric_total
 
-MODELS = os.path.join(REPO_ROOT, "models")
+MODELS = models_dir()  # the checkout's models/, or $SPECPLUGIN_MODELS_DIR (vllm_specplugin/paths.py)
 DEMO = os.path.join(MODELS, "demo")  # the small family: a 4.46 M target (compute-bound on CPU)
 DEMO_MB = os.path.join(MODELS, "demo-mb")  # the memory-bound family: a 31.5 M target grown from it
 
@@ -71,7 +71,7 @@ def builtin_draft_model_config(draft: str, gamma: int = 3) -> ServedConfig:
 class WorkloadResult:
     config: str
     batch: int
-    temperature: float
+    temperature: float | str  # a workload's one temperature, or its requests' ("0/1": temperature_label)
     output_tokens: int
     wall_s: float
     gamma: int
@@ -84,6 +84,12 @@ class WorkloadResult:
     propose_calls: float | None = None
     plugin: dict = field(default_factory=dict)  # every specplugin counter's change over the workload
     phases: list[int] = field(default_factory=list)  # concurrency of each phase (run_phases); batch is the largest
+    workload: str = ""  # the workload's name (a category of throughput/workloads.py), "" when unnamed
+
+    @property
+    def key(self) -> tuple[str, int, float | str]:
+        """What a plain-decoding baseline must share: workload, batch and temperature."""
+        return (self.workload, self.batch, self.temperature)
 
     @property
     def batch_label(self) -> str:
@@ -143,59 +149,156 @@ class WorkloadResult:
         return out
 
 
+Temperature = float | list[float]
+
+
+def temperature_label(temperature: Temperature) -> float | str:
+    """A workload's temperature for tables and baselines: the value when every request has it,
+    else the distinct values joined ("0/1": a mixed workload whose requests keep their own)."""
+    if isinstance(temperature, (int, float)):
+        return float(temperature)
+    values = sorted(set(float(t) for t in temperature))
+    return values[0] if len(values) == 1 else "/".join(f"{t:g}" for t in values)
+
+
+@dataclass
+class _Counters:
+    """Counters read before (or after) the timed part of a workload."""
+
+    vllm: dict
+    plugin: dict
+
+
+def _read_counters(server: VllmServer, config: ServedConfig, *, settle: bool) -> _Counters:
+    """vLLM's counters (served at once) and the plugin's, which workers flush every 0.5 s: read
+    settled (``settle``: waits until two reads agree) only outside the timed generation."""
+    plugin = server.settled_metrics("specplugin:") if (config.is_plugin and settle) else {}
+    return _Counters(server.metrics(), plugin)
+
+
+def _send(server: VllmServer, prompts: list, *, batch: int, temperature: Temperature, max_tokens: int) -> int:
+    """The generation phase: every prompt, ``batch`` at a time (a pool of that many concurrent
+    clients), each with its own temperature when ``temperature`` is a list. Returns the output
+    tokens."""
+    from openai import OpenAI
+
+    temperatures = [float(temperature)] * len(prompts) if isinstance(temperature, (int, float)) else list(temperature)
+    if len(temperatures) != len(prompts):
+        raise ValueError(f"{len(temperatures)} temperatures for {len(prompts)} prompts")
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=900)
+
+    def complete(item) -> int:
+        prompt, t = item
+        completion = client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=t,
+            extra_body={"ignore_eos": True},
+        )
+        return completion.usage.completion_tokens
+
+    with ThreadPoolExecutor(batch) as pool:
+        return sum(pool.map(complete, zip(prompts, temperatures)))
+
+
+def _result(config: ServedConfig, batch: int, temperature: Temperature, output_tokens: int, wall: float,
+            before: _Counters, after: _Counters) -> WorkloadResult:
+    def delta(name: str, a=after.vllm, b=before.vllm) -> float:
+        return metric_total(a, name) - metric_total(b, name)
+
+    result = WorkloadResult(
+        config.name, batch, temperature_label(temperature), output_tokens, wall, config.gamma,
+        drafts=delta("vllm:spec_decode_num_drafts_total"),
+        draft_tokens=delta("vllm:spec_decode_num_draft_tokens_total"),
+        accepted_tokens=delta("vllm:spec_decode_num_accepted_tokens_total"),
+        accepted_per_position=[
+            after.vllm.get(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels}}}', 0)
+            - before.vllm.get(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels}}}', 0)
+            for labels in _position_labels(after.vllm)
+        ],
+    )
+    if config.is_plugin and after.plugin:
+        result.draft_time_s = delta("specplugin:draft_time_seconds_total", after.plugin, before.plugin)
+        result.step_time_s = delta("specplugin:step_time_seconds_total", after.plugin, before.plugin)
+        result.propose_calls = delta("specplugin:propose_calls_total", after.plugin, before.plugin)
+        result.plugin = {
+            key: after.plugin[key] - before.plugin.get(key, 0) for key in after.plugin
+            if key.endswith("_total") or "_total{" in key
+        }
+    return result
+
+
+class WorkloadRun:
+    """One round of a workload in three parts, so that a timer can hold the generation alone:
+    :meth:`begin` (settled counters), :meth:`generate` (the requests: the timed part, whose wall
+    time is the tokens/s figure's) and :meth:`finish` (settled counters, the result). ``phases``:
+    [(prompts, concurrency), ...] run one after another (vLLM's counters, served at once, are read
+    between phases; the plugin's only at the ends), or one phase of ``prompts`` at ``batch``."""
+
+    def __init__(self, server: VllmServer, config: ServedConfig, phases: list[tuple[list, int]], *,
+                 temperature: Temperature | list[Temperature], max_tokens: int, workload: str = ""):
+        if not phases:
+            raise ValueError("a workload needs at least one phase")
+        self.server, self.config, self.phases, self.max_tokens = server, config, phases, max_tokens
+        self.workload = workload
+        # one temperature for all, or one Temperature per phase
+        self.temperatures = ([temperature] * len(phases) if isinstance(temperature, (int, float))
+                             else list(temperature) if len(phases) > 1 else [temperature])
+        if len(self.temperatures) != len(phases):
+            raise ValueError(f"{len(self.temperatures)} temperatures for {len(phases)} phases")
+        self._start: _Counters | None = None
+        self._parts: list[tuple[int, float, _Counters, _Counters]] = []
+        self.result: WorkloadResult | None = None
+
+    def begin(self) -> None:
+        self._start = _read_counters(self.server, self.config, settle=True)
+
+    def generate(self) -> None:
+        if self._start is None:
+            raise RuntimeError("begin() first")
+        before = self._start
+        for (prompts, batch), temperature in zip(self.phases, self.temperatures):
+            started = time.perf_counter()
+            tokens = _send(self.server, prompts, batch=batch, temperature=temperature, max_tokens=self.max_tokens)
+            wall = time.perf_counter() - started
+            after = _read_counters(self.server, self.config, settle=False)
+            self._parts.append((tokens, wall, before, after))
+            before = after
+
+    def finish(self) -> WorkloadResult:
+        if self.result is not None:
+            return self.result
+        end = _read_counters(self.server, self.config, settle=True)
+        parts = []
+        for index, ((prompts, batch), temperature, (tokens, wall, before, after)) in enumerate(
+                zip(self.phases, self.temperatures, self._parts)):
+            # the plugin's counters: the whole run's, on the first phase (combine_phases sums them)
+            before = _Counters(before.vllm, self._start.plugin if index == 0 else {})
+            after = _Counters(after.vllm, end.plugin if index == 0 else {})
+            parts.append(_result(self.config, batch, temperature, tokens, wall, before, after))
+        if len(parts) > 1:
+            for part in parts[1:]:  # no plugin counters of their own: zero, not missing
+                part.draft_time_s = 0.0 if parts[0].draft_time_s is not None else None
+                part.step_time_s = 0.0 if parts[0].step_time_s is not None else None
+                part.propose_calls = 0.0 if parts[0].propose_calls is not None else None
+        self.result = parts[0] if len(parts) == 1 else combine_phases(parts)
+        self.result.workload = self.workload
+        return self.result
+
+
 def run_workload(
     server: VllmServer,
     config: ServedConfig,
     prompts: list[str] | list[list[int]],
     *,
     batch: int,
-    temperature: float,
+    temperature: Temperature,
     max_tokens: int,
 ) -> WorkloadResult:
-    """Send every prompt, ``batch`` at a time (a pool of that many concurrent clients)."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=900)
-
-    def complete(prompt: str | list[int]) -> int:
-        completion = client.completions.create(
-            model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-            extra_body={"ignore_eos": True},
-        )
-        return completion.usage.completion_tokens
-
-    before = server.metrics()
-    plugin_before = server.settled_metrics("specplugin:") if config.is_plugin else {}
-    started = time.perf_counter()
-    with ThreadPoolExecutor(batch) as pool:
-        output_tokens = sum(pool.map(complete, prompts))
-    wall = time.perf_counter() - started
-    after = server.metrics()
-
-    def delta(name: str, a=after, b=before) -> float:
-        return metric_total(a, name) - metric_total(b, name)
-
-    result = WorkloadResult(
-        config.name, batch, temperature, output_tokens, wall, config.gamma,
-        drafts=delta("vllm:spec_decode_num_drafts_total"),
-        draft_tokens=delta("vllm:spec_decode_num_draft_tokens_total"),
-        accepted_tokens=delta("vllm:spec_decode_num_accepted_tokens_total"),
-        accepted_per_position=[
-            after.get(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels}}}', 0)
-            - before.get(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels}}}', 0)
-            for labels in _position_labels(after)
-        ],
-    )
-    if config.is_plugin:
-        plugin_after = server.settled_metrics("specplugin:")
-        result.draft_time_s = delta("specplugin:draft_time_seconds_total", plugin_after, plugin_before)
-        result.step_time_s = delta("specplugin:step_time_seconds_total", plugin_after, plugin_before)
-        result.propose_calls = delta("specplugin:propose_calls_total", plugin_after, plugin_before)
-        result.plugin = {
-            key: plugin_after[key] - plugin_before.get(key, 0) for key in plugin_after
-            if key.endswith("_total") or "_total{" in key
-        }
-    return result
+    """Send every prompt, ``batch`` at a time (a pool of that many concurrent clients);
+    ``temperature``: one for all, or one per prompt (a mixed workload's requests keep their own)."""
+    run = WorkloadRun(server, config, [(prompts, batch)], temperature=temperature, max_tokens=max_tokens)
+    run.begin()
+    run.generate()
+    return run.finish()
 
 
 def run_phases(
@@ -203,17 +306,17 @@ def run_phases(
     config: ServedConfig,
     phases: list[tuple[list, int]],
     *,
-    temperature: float,
+    temperature: Temperature | list[Temperature],
     max_tokens: int,
 ) -> WorkloadResult:
     """Phases of (prompts, concurrency) one after another, as one workload: traffic whose load
     changes (a quiet phase at concurrency 1, a burst, quiet again), where the γ that pays changes
-    with it. Tokens, time and every counter are summed over the phases."""
-    parts = [
-        run_workload(server, config, prompts, batch=batch, temperature=temperature, max_tokens=max_tokens)
-        for prompts, batch in phases
-    ]
-    return combine_phases(parts)
+    with it. Tokens, time and every counter are summed over the phases. ``temperature``: one for
+    all, or one per phase (each a value or a list per prompt)."""
+    run = WorkloadRun(server, config, phases, temperature=temperature, max_tokens=max_tokens)
+    run.begin()
+    run.generate()
+    return run.finish()
 
 
 def combine_phases(parts: list[WorkloadResult]) -> WorkloadResult:
@@ -226,8 +329,11 @@ def combine_phases(parts: list[WorkloadResult]) -> WorkloadResult:
 
     first = parts[0]
     longest = max(len(p.accepted_per_position) for p in parts)
+    temperatures = {p.temperature for p in parts}
     return WorkloadResult(
-        first.config, max(p.batch for p in parts), first.temperature, total("output_tokens"), total("wall_s"),
+        first.config, max(p.batch for p in parts),
+        first.temperature if len(temperatures) == 1 else "/".join(sorted(map(str, temperatures))),
+        total("output_tokens"), total("wall_s"),
         first.gamma, drafts=total("drafts"), draft_tokens=total("draft_tokens"),
         accepted_tokens=total("accepted_tokens"),
         accepted_per_position=[sum(p.accepted_per_position[i] for p in parts if i < len(p.accepted_per_position))
@@ -244,25 +350,33 @@ def _position_labels(samples: dict[str, float]) -> list[str]:
     return sorted(labels, key=lambda label: int(label.split('position="')[1].split('"')[0]))
 
 
-def format_table(results: list[WorkloadResult], baseline: dict[tuple[int, float], float]) -> str:
-    """Markdown table; ``baseline`` maps (batch, temperature) to plain decoding's tokens/s."""
+def format_table(results: list[WorkloadResult], baseline: dict[tuple, float]) -> str:
+    """Markdown table; ``baseline`` maps a result's ``key`` (workload, batch, temperature) to plain
+    decoding's tokens/s. A workload column appears when some result names its workload."""
+    named = any(r.workload for r in results)
     header = (
-        "| config | batch | T | tokens/s | speedup vs plain | mean accepted length | α | per-position acceptance "
+        ("| workload " if named else "")
+        + "| config | batch | T | tokens/s | speedup vs plain | mean accepted length | α | per-position acceptance "
         "| draft time / step | c | Leviathan bound | verify cost r |"
     )
-    lines = [header, "|" + "---|" * 12]
+    lines = [header, "|" + "---|" * (13 if named else 12)]
     for r in results:
-        plain = baseline.get((r.batch, r.temperature))
+        plain = baseline.get(r.key)
         speedup = f"{r.tokens_per_s / plain:.2f}x" if plain else "-"
         per_position = (
             "[" + ", ".join(f"{a / r.drafts:.2f}" for a in r.accepted_per_position) + "]" if r.drafts else "-"
         )
         lines.append(
-            f"| {r.config} | {r.batch_label} | {r.temperature:g} | {r.tokens_per_s:.1f} | {speedup} "
+            (f"| {r.workload} " if named else "")
+            + f"| {r.config} | {r.batch_label} | {_fmt_temperature(r.temperature)} | {r.tokens_per_s:.1f} | {speedup} "
             f"| {r.mean_accepted_length:.2f} | {_fmt(r.alpha)} | {per_position} | {_fmt(r.draft_time_fraction, '.0%')} "
             f"| {_fmt(r.cost_ratio)} | {_fmt(r.leviathan_bound(), '.2f', 'x')} | {_fmt(r.verify_cost_ratio(plain), '.2f')} |"
         )
     return "\n".join(lines)
+
+
+def _fmt_temperature(temperature: float | str) -> str:
+    return temperature if isinstance(temperature, str) else f"{temperature:g}"
 
 
 def _fmt(value, spec: str = ".3f", suffix: str = "") -> str:
@@ -274,7 +388,7 @@ def record_benchmark(benchmark, results: list[WorkloadResult], result: WorkloadR
     results.append(result)
     plain = next(
         (r.tokens_per_s for r in results
-         if r.config == "plain" and (r.batch, r.temperature) == (result.batch, result.temperature)),
+         if r.config == "plain" and r.key == result.key),
         None,
     )
     info = result.as_dict()
@@ -316,7 +430,7 @@ def benchmark_throughput(benchmark, results, served, prompts, *, batch: int, tem
 
 def benchmark_workload(
     benchmark, results, served, prompts=None, *, batch: int | None = None, temperature: float, max_tokens: int,
-    rounds: int | None = None, phases: list[tuple[list, int]] | None = None,
+    rounds: int | None = None, phases: list[tuple[list, int]] | None = None, workload: str = "",
 ):
     """Time a workload with pytest-benchmark and record its fastest round with its cost model.
 
@@ -330,15 +444,23 @@ def benchmark_workload(
     config, server = served
     rounds = rounds or int(os.environ.get("BENCH_ROUNDS", "3"))
     outcomes: list[WorkloadResult] = []
+    workload_phases = phases if phases is not None else [(prompts, batch)]
+    current: list[WorkloadRun] = []
 
-    def workload():
-        if phases is None:
-            outcome = run_workload(server, config, prompts, batch=batch, temperature=temperature, max_tokens=max_tokens)
-        else:
-            outcome = run_phases(server, config, phases, temperature=temperature, max_tokens=max_tokens)
-        outcomes.append(outcome)
+    # pytest-benchmark times the generation alone (what tokens/s measures): reading the settled
+    # counters before and after a round (the plugin's workers flush every 0.5 s) is its set-up and
+    # tear-down, so its min / mean columns and --benchmark-compare agree with the tok/s tables.
+    def setup():
+        current.append(WorkloadRun(server, config, workload_phases, temperature=temperature, max_tokens=max_tokens,
+                                   workload=workload))
+        current[-1].begin()
 
-    benchmark.pedantic(workload, rounds=rounds, iterations=1)
+    def teardown():
+        outcomes.append(current[-1].finish())
+
+    benchmark.pedantic(lambda: current[-1].generate(), setup=setup, teardown=teardown, rounds=rounds, iterations=1)
+    if len(outcomes) < len(current):  # --benchmark-disable: pytest-benchmark runs once, without teardown
+        teardown()
     result = max(outcomes, key=lambda r: r.tokens_per_s)
     record_benchmark(benchmark, results, result)
     benchmark.extra_info["rounds_tokens_per_s"] = [round(r.tokens_per_s, 1) for r in outcomes]

@@ -14,9 +14,9 @@ import json
 import os
 import sys
 
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import runs_dir
 
-STORAGE = os.path.join(REPO_ROOT, "runs", "benchmarks")
+STORAGE = runs_dir("benchmarks")  # ./runs/benchmarks: where `make bench` saves
 
 
 def load_runs(storage: str = STORAGE) -> list[dict]:

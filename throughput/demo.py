@@ -2,8 +2,11 @@
 
 It starts vLLM's OpenAI-compatible server on 127.0.0.1 with an embedded demo target and the
 plugin's best configuration for it, then again with plain decoding,
-and sends both the same held-out code prompts through the ``openai`` client at several
-concurrency levels and temperatures 0 and 1. It prints output tokens/s, time per output token,
+and sends both the same held-out prompts through the ``openai`` client at several concurrency
+levels: by default the ``mixed`` workload of ``throughput/workloads.py`` (code, prose, copy and
+creative requests interleaved, each at its own category's temperature: setting "T0" serves code,
+prose and copy at T = 0 and creative at 1.0, setting "T1" them at 1.0 and creative at 1.3), or
+(``--workload code``) held-out code at T = 0 and 1. It prints output tokens/s, time per output token,
 mean accepted tokens per step, acceptance per position and the speedup, draws them to a PNG, and
 finishes with a short statistical check of exactness (with its power) on the same configuration.
 """
@@ -17,9 +20,11 @@ import time
 
 from tqdm import tqdm
 
-from vllm_specplugin.throughput.bench import DEMO, DEMO_MB, ServedConfig, WorkloadResult, plugin_config, run_workload
-from vllm_specplugin.verification.drivers import REPO_ROOT, SamplingConfig
-from vllm_specplugin.throughput.workloads import heldout_prompts
+from vllm_specplugin.throughput.bench import (DEMO, DEMO_MB, ServedConfig, WorkloadResult, plugin_config, run_workload,
+                                              temperature_label)
+from vllm_specplugin.paths import runs_dir
+from vllm_specplugin.verification.drivers import SamplingConfig
+from vllm_specplugin.throughput.workloads import heldout_prompts, mixed_requests
 
 # family -> (target dir, the plugin's best configuration for it, a title for the plot)
 FAMILIES = {
@@ -47,15 +52,29 @@ PLAIN = ServedConfig("plain decoding")
 ROUNDS = 2  # per workload; the faster round counts (a shared 2-core machine is noisy)
 
 
-def serve_and_measure(config: ServedConfig, workloads, max_tokens: int, progress) -> list[WorkloadResult]:
+def workload_prompts(workload: str, concurrency: int, setting: int) -> tuple[list[str], float | list[float]]:
+    """(prompts, temperature) of one demo workload: at least two requests per client; ``mixed``
+    in whole blocks of four (one request of each category), each request at its category's
+    temperature for ``setting``; ``code`` held-out code at T = ``setting``."""
+    count = max(2, 2 * concurrency)
+    if workload == "code":
+        return heldout_prompts(count), float(setting)
+    prompts = mixed_requests(-(-count // 4) * 4, setting=setting)
+    return [p.text for p in prompts], [p.temperature for p in prompts]
+
+
+def serve_and_measure(config: ServedConfig, workloads, max_tokens: int, progress,
+                      workload: str = "mixed") -> list[WorkloadResult]:
+    """``workloads``: [(concurrency, setting)]; ``setting`` is the temperature (0 or 1) for
+    ``code``, the workload's temperature setting for ``mixed``."""
     results = []
     progress.set_description(f"starting server: {config.name}")
     with config.server(TARGET) as server:
         run_workload(server, config, ["def main():\n"] * 2, batch=2, temperature=1.0, max_tokens=8)  # warm-up
         progress.update(1)
-        for concurrency, temperature in workloads:
-            progress.set_description(f"{config.name}: concurrency {concurrency}, T={temperature:g}")
-            prompts = heldout_prompts(max(2, 2 * concurrency))
+        for concurrency, setting in workloads:
+            prompts, temperature = workload_prompts(workload, concurrency, setting)
+            progress.set_description(f"{config.name}: concurrency {concurrency}, T={temperature_label(temperature)}")
             rounds = [
                 run_workload(server, config, prompts, batch=concurrency, temperature=temperature, max_tokens=max_tokens)
                 for _ in range(ROUNDS)
@@ -67,17 +86,21 @@ def serve_and_measure(config: ServedConfig, workloads, max_tokens: int, progress
 
 def format_demo_table(best: list[WorkloadResult], plain: list[WorkloadResult]) -> str:
     lines = [
-        f"{'concurrency':>11s} {'T':>3s} | {'plain tok/s':>11s} {'ms/token':>8s} | {'plugin tok/s':>12s} {'ms/token':>8s} "
+        f"{'concurrency':>11s} {'T':>7s} | {'plain tok/s':>11s} {'ms/token':>8s} | {'plugin tok/s':>12s} {'ms/token':>8s} "
         f"{'accepted/step':>13s} {'per-position acceptance':>26s} {'speedup':>8s}",
     ]
     for b, p in zip(best, plain):
         per_position = ", ".join(f"{a / b.drafts:.2f}" for a in b.accepted_per_position) if b.drafts else "-"
         lines.append(
-            f"{b.batch:>11d} {b.temperature:>3g} | {p.tokens_per_s:>11.1f} {1000 * b.batch / p.tokens_per_s:>8.1f} | "
+            f"{b.batch:>11d} {_temperature(b.temperature):>7s} | {p.tokens_per_s:>11.1f} {1000 * b.batch / p.tokens_per_s:>8.1f} | "
             f"{b.tokens_per_s:>12.1f} {1000 * b.batch / b.tokens_per_s:>8.1f} {b.mean_accepted_length:>13.2f} "
             f"{'[' + per_position + ']':>26s} {b.tokens_per_s / p.tokens_per_s:>7.2f}x"
         )
     return "\n".join(lines)
+
+
+def _temperature(value: float | str) -> str:
+    return value if isinstance(value, str) else f"{value:g}"
 
 
 def plot_demo(best: list[WorkloadResult], plain: list[WorkloadResult], path: str) -> None:
@@ -87,14 +110,14 @@ def plot_demo(best: list[WorkloadResult], plain: list[WorkloadResult], path: str
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, temperature in zip(axes, sorted({r.temperature for r in best})):
+    for ax, temperature in zip(axes, sorted({r.temperature for r in best}, key=str)):
         for results, label in ((plain, "plain decoding"), (best, best[0].config.replace("gamma", "γ"))):
             rows = [r for r in results if r.temperature == temperature]
             ax.plot([r.batch for r in rows], [r.tokens_per_s for r in rows], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("output tokens/s")
-        ax.set_title(f"temperature {temperature:g}")
+        ax.set_title(f"temperature {_temperature(temperature)}")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{TITLE} on this machine's CPU")
@@ -153,19 +176,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="levels (default 1 4 16)")
     parser.add_argument("--tokens", type=int, default=64, help="output tokens per request (default 64)")
     parser.add_argument("--check-samples", type=int, default=1000, help="samples for the exactness check")
-    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "runs", "demo"), help="where the table, JSON and PNG go")
+    parser.add_argument("--out", default=runs_dir("demo"), help="where the table, JSON and PNG go")
     parser.add_argument("--family", choices=sorted(FAMILIES), default="memory-bound",
                         help="which embedded model family to serve (default memory-bound)")
+    parser.add_argument("--workload", choices=["mixed", "code"], default="mixed",
+                        help="mixed: code, prose, copy and creative requests interleaved, each at its own "
+                             "temperature (default); code: held-out code at T = 0 and 1")
     args = parser.parse_args(argv)
     global TARGET, BEST, TITLE
     TARGET, BEST, TITLE = FAMILIES[args.family]
     os.makedirs(args.out, exist_ok=True)
 
-    workloads = [(c, t) for t in (0.0, 1.0) for c in args.concurrency]
+    workloads = [(c, setting) for setting in (0, 1) for c in args.concurrency]
     started = time.perf_counter()
     with tqdm(total=2 * (len(workloads) + 1) + 1, unit="step") as progress:
-        best = serve_and_measure(BEST, workloads, args.tokens, progress)
-        plain = serve_and_measure(PLAIN, workloads, args.tokens, progress)
+        best = serve_and_measure(BEST, workloads, args.tokens, progress, args.workload)
+        plain = serve_and_measure(PLAIN, workloads, args.tokens, progress, args.workload)
         report = exactness_check(args.check_samples, progress)
 
     table = format_demo_table(best, plain)
@@ -175,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"best": [r.as_dict() for r in best], "plain": [r.as_dict() for r in plain],
                    "check": json.loads(report.to_json())}, f, indent=1)
     (case,) = report.cases
-    print(f"\nDemo target {TARGET}, {args.tokens} output tokens per request, held-out code prompts.")
+    what = ("the mixed workload (code, prose, copy, creative; each request at its category's temperature)"
+            if args.workload == "mixed" else "held-out code prompts")
+    print(f"\nDemo target {TARGET}, {args.tokens} output tokens per request, {what}.")
     print(f"plugin: {json.dumps(BEST.additional_config['specplugin'])}, num_speculative_tokens {BEST.gamma}\n")
     print(table)
     alphas = [r.alpha for r in best if r.alpha is not None]

@@ -23,9 +23,10 @@ import subprocess
 import sys
 import time
 
-from vllm_specplugin.server import REPO_ROOT, engine_env
+from vllm_specplugin.paths import demo_model, require_demo_models
+from vllm_specplugin.server import engine_env
 
-DEMO_MB = os.path.join(REPO_ROOT, "models", "demo-mb")
+DEMO_MB = demo_model("demo-mb")
 
 
 def _measure(args) -> dict:
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plain-engine", action="store_true", help="an engine without speculative config instead")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    require_demo_models(args.model, args.draft)
     if args.batch <= 4 and not args.plain_engine:
         ap.error("--batch must be above 4 (adaptive gamma's max_batch here), or steps would draft")
     if args.child:
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     argv = list(argv if argv is not None else sys.argv[1:])
     proc = subprocess.run([sys.executable, "-m", "vllm_specplugin.throughput.draft_free_ab", "--child", *argv],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("DRAFT_FREE_AB ")), None)
     if line is None:
         print(proc.stderr[-4000:], file=sys.stderr)

@@ -15,7 +15,8 @@ import numpy as np
 from tqdm import tqdm
 
 from vllm_specplugin.models.random_llama import make_random_llama
-from vllm_specplugin.verification.drivers import REPO_ROOT, GenerationTask, SamplingConfig, run_offline
+from vllm_specplugin.paths import runs_dir
+from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig, run_offline
 
 SPEC = {
     "method": "custom_class",
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=256, help="continuations per run (default 256)")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per continuation (default 16)")
-    parser.add_argument("--workdir", default=os.path.join(REPO_ROOT, "runs", "demo"))
+    parser.add_argument("--workdir", default=runs_dir("demo"))
     args = parser.parse_args(argv)
 
     model = str(make_random_llama(os.path.join(args.workdir, "random-target")))

@@ -32,7 +32,8 @@ import subprocess
 import sys
 import time
 
-from vllm_specplugin.server import REPO_ROOT, engine_env
+from vllm_specplugin.paths import demo_model, require_demo_models, runs_dir
+from vllm_specplugin.server import engine_env
 
 REPEAT = "vllm_specplugin.adapters.RepeatLastTokenProposer"
 PLUGIN = "vllm_specplugin.adapters.MultiDraftProposer"
@@ -149,7 +150,7 @@ def run_config(model: str, gamma: int, eager: bool, tokens: int, rounds: int, pr
                cpu_time=cpu_time, heldout=heldout)
     env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(job["threads"])}
     proc = subprocess.run([sys.executable, "-m", "vllm_specplugin.throughput.step_cost", "--child", json.dumps(job)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                          env=env, capture_output=True, text=True, timeout=timeout)
     marker = "STEP_COST_RESULT "
     for line in proc.stdout.splitlines():
         if line.startswith(marker):
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
                     help='JSON for --additional-config, e.g. \'{"specplugin": {"draft_kernels": "torch"}}\'')
     ap.add_argument("--threads", type=int, default=None,
                     help=f"OpenMP threads (default {served_threads()}: what a served engine's worker gets here)")
-    ap.add_argument("--out", default=os.path.join(REPO_ROOT, "runs", "step_cost"))
+    ap.add_argument("--out", default=runs_dir("step_cost"), help="output folder (default ./runs/step_cost)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -190,8 +191,9 @@ def main(argv=None) -> int:
         return 0
     from tqdm import tqdm
 
-    model = args.model or os.path.join(REPO_ROOT, "models", "demo-mb", "target")
-    draft = args.draft or os.path.join(REPO_ROOT, "models", "demo-mb", "draft")
+    model = args.model or demo_model("demo-mb", "target")
+    draft = args.draft or demo_model("demo-mb", "draft")
+    require_demo_models(model, draft)
     results = {}
     for gamma in tqdm(args.gammas, desc="r by gamma", unit="engine"):
         res = run_config(model, gamma, args.eager, args.tokens, args.rounds, args.prompt_len, args.profile,

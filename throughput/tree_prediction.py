@@ -67,14 +67,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_specplugin.paths import models_dir, require_demo_models
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
 from vllm_specplugin.proposers.tree import TokenTree, build_sampled_tree, build_tree, enumerate_draws
 from vllm_specplugin.proposers.tree_verify import (AcceptanceRule, acceptance_probability, after_rejection,
                                                    draft_probs_from_tree, tree_attention_mask, tree_children,
                                                    tree_depths)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODELS = os.path.join(REPO_ROOT, "models")
+MODELS = models_dir()
 METHODS = ("tree", "best_path", "chain", "chain_formula", "draft_only_best")
 
 
@@ -578,6 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--measured", action="append", default=[], help="a tree_verification-*.json (repeatable)")
     parser.add_argument("--json", help="write predictions (and the measured comparison) here")
     args = parser.parse_args(argv)
+    require_demo_models(args.target, args.draft)
 
     from tqdm import tqdm
     from transformers import AutoTokenizer

@@ -16,6 +16,7 @@ import sys
 
 from tqdm import tqdm
 
+from vllm_specplugin.paths import demo_model, require_demo_models
 from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig, run_offline
 
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -62,8 +63,8 @@ def format_rows(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vllm_specplugin.verification.block_compare",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="models/demo/target")
-    parser.add_argument("--draft", default="models/demo/draft-distill")
+    parser.add_argument("--target", default=demo_model("demo", "target"))
+    parser.add_argument("--draft", default=demo_model("demo", "draft-distill"))
     parser.add_argument("--gamma", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="skip torch.compile (faster start)")
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
+    require_demo_models(args.target, args.draft)
     from transformers import AutoTokenizer
 
     from vllm_specplugin.throughput.workloads import heldout_prompts

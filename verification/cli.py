@@ -15,6 +15,7 @@ import sys
 
 from vllm_specplugin.verification.check import random_prompts, run_check
 from vllm_specplugin.verification.drivers import SamplingConfig
+from vllm_specplugin.verification.engine_settings import add_engine_arguments, engine_driver, settings_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
             "against the target's exact processed distribution computed with transformers."
         ),
         epilog=__doc__.split("\n", 2)[2] + "\nSubcommand: lossy-sweep (see `... lossy-sweep --help`): what each "
-               "opt-in lossy acceptance setting costs (TV, log-likelihood, speed).",
+               "opt-in lossy acceptance setting costs (TV, log-likelihood, speed).\nSubcommand: two-sample (see "
+               "`... two-sample --help`): a speculative deployment against a plain one, no reference model "
+               "(verification/two_sample.py).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, help="target checkpoint directory (local)")
@@ -55,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--delta", type=float, default=0.1, help="TV distance to report power for")
     parser.add_argument("--method", choices=["pearson", "g"], default="pearson")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--driver", choices=["offline", "http"], default="offline",
                         help="offline: LLM.generate in a fresh process; http: the real OpenAI server on 127.0.0.1")
+    add_engine_arguments(parser)  # --dtype, --tensor-parallel-size, --max-model-len, ... (engine_settings.py)
     parser.add_argument("--json", dest="json_path", help="write the report as JSON here")
     parser.add_argument("--plot", dest="plot_path", help="write a PNG: node p-values vs uniform, Holm p per case")
     return parser
@@ -69,9 +72,14 @@ def main(argv: list[str] | None = None) -> None:
         from vllm_specplugin.verification import lossy
 
         return lossy.main(argv[1:])
+    if argv[:1] == ["two-sample"]:  # speculative vs plain sampler, no reference (verification/two_sample.py)
+        from vllm_specplugin.verification import two_sample
+
+        return two_sample.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.tokens < 1 or args.samples < 1 or args.greedy_tokens < 1 or args.greedy_prompts < 1:
         sys.exit("--tokens, --samples, --greedy-tokens and --greedy-prompts must be >= 1")
+    settings = settings_from_args(args)
     if args.prompt_ids is not None:
         prompts = greedy_prompts = args.prompt_ids
     elif args.prompt:
@@ -94,7 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     report = run_check(
         args.model, samplings, prompts, greedy_prompts=greedy_prompts, speculative_config=args.speculative_config,
         additional_config=args.additional_config, alpha=args.alpha, delta=args.delta,
-        method=args.method, max_model_len=args.max_model_len, driver=args.driver,
+        method=args.method, max_model_len=args.max_model_len,
+        driver=engine_driver(args.model, settings, speculative_config=args.speculative_config,
+                             additional_config=args.additional_config, driver=args.driver),
+        driver_name=f"{args.driver} {settings.describe()}",
     )
     from vllm_specplugin.verification.plots import plot_report
 

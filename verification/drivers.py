@@ -9,7 +9,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from vllm_specplugin.server import REPO_ROOT, engine_env  # noqa: F401  (re-exported for the harness)
+from vllm_specplugin.server import engine_env  # noqa: F401  (re-exported for the harness)
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,11 @@ def run_offline(
     log_path: str | None = None,
     extra_env: dict | None = None,
     engine_options: dict | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> EngineRun:
     """Run ``tasks`` on one fresh vLLM engine, in its own process. ``engine_options``: more
     ``vllm.LLM`` arguments (e.g. ``enable_chunked_prefill``, ``max_num_batched_tokens``).
+    ``gpu_memory_utilization`` None: ``SPECPLUGIN_GPU_MEMORY_UTILIZATION``, or 0.3.
     ``timeout_s`` bounds the whole job (start-up included): the statistical tier's longest job,
     four temperatures of tree verification, took 9-15 minutes on a loaded 2-core AVX2 machine."""
     job = dict(
@@ -86,7 +88,8 @@ def run_offline(
         additional_config=additional_config or {},
         dtype=dtype,
         max_model_len=max_model_len,
-        gpu_memory_utilization=float(os.environ.get("SPECPLUGIN_GPU_MEMORY_UTILIZATION", "0.3")),
+        gpu_memory_utilization=(gpu_memory_utilization if gpu_memory_utilization is not None
+                                else float(os.environ.get("SPECPLUGIN_GPU_MEMORY_UTILIZATION", "0.3"))),
     )
     with tempfile.TemporaryDirectory(prefix="specplugin-job-") as tmp:
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
@@ -98,7 +101,6 @@ def run_offline(
         # process alone left them running, a core busy for an hour in one test run.
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_specplugin.verification.engine_job", job_path, out_path],
-            cwd=REPO_ROOT,
             env={**engine_env(), **(extra_env or {})},
             stdout=log_file,
             stderr=subprocess.STDOUT,
@@ -155,8 +157,10 @@ def run_http(
     max_model_len: int = 512,
     extra_env: dict | None = None,
     max_n_per_request: int = 500,
+    extra_args: list[str] | None = None,
 ) -> EngineRun:
-    """Run ``tasks`` against the real OpenAI-compatible server (logprobs off, token ids on)."""
+    """Run ``tasks`` against the real OpenAI-compatible server (logprobs off, token ids on).
+    ``extra_args``: more ``vllm serve`` arguments (e.g. ``--tensor-parallel-size 2``)."""
     import time
 
     from openai import OpenAI
@@ -165,7 +169,7 @@ def run_http(
 
     t0 = time.perf_counter()
     server = VllmServer(model, speculative_config=speculative_config, additional_config=additional_config,
-                        dtype=dtype, max_model_len=max_model_len, extra_env=extra_env)
+                        dtype=dtype, max_model_len=max_model_len, extra_env=extra_env, extra_args=extra_args)
     with server:
         startup_s = time.perf_counter() - t0
         client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=600)

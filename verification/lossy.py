@@ -46,10 +46,11 @@ from tqdm import tqdm
 from vllm_specplugin import stats
 from vllm_specplugin.lossy_acceptance import REQUEST_KEYS, Acceptance, token_law
 from vllm_specplugin.verification.check import analyse, decide
-from vllm_specplugin.verification.drivers import REPO_ROOT, GenerationTask, SamplingConfig, run_offline
+from vllm_specplugin.paths import demo_model, require_demo_models
+from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig, run_offline
 from vllm_specplugin.verification.reference import ProcessedConditionals, TargetReference
 
-DEMO = os.path.join(REPO_ROOT, "models", "demo")
+DEMO = demo_model("demo")
 MIN_EXPECTED = 5.0
 _FIELD_KEY = {field: key for key, field in REQUEST_KEYS.items()}
 
@@ -415,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    require_demo_models(args.model, args.draft)
     from transformers import AutoTokenizer
 
     from vllm_specplugin.throughput.workloads import heldout_prompts

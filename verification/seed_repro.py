@@ -1,11 +1,11 @@
 """Are seeded outputs the same whatever else is in the batch? Plain vLLM and the plugin's variants.
 
 ``python -m vllm_specplugin.verification.seed_repro VARIANT`` starts one offline engine (the soak's
-target, :mod:`vllm_specplugin.verification.soak`) and sends 24 seeded requests (T = 1.0, or 0.7
+target, :mod:`vllm_specplugin.throughput.soak`) and sends 24 seeded requests (T = 1.0, or 0.7
 with top-k 50 / top-p 0.9; 32–64 tokens) three times: beside 40 unseeded companions, beside 40
 different ones, and alone. It prints, for each pair of passes, how many of the 24 seeded outputs
-differ and where each first differs. Plain vLLM gives 0 everywhere; see the README's soak section
-for what the plugin's variants give and why.
+differ and where each first differs. Plain vLLM gives 0 everywhere; see docs/reliability.md,
+"Seeded outputs with the plugin under load", for what the plugin's variants give and why.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def run(variant: str) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_specplugin.verification import soak
+    from vllm_specplugin.throughput import soak
 
     workload = soak.Workload(soak.SoakConfig(seed=5), "m")
     rng = random.Random(7)

@@ -14,6 +14,6 @@ __version__ = "0.1.0"
 
 def register() -> None:
     """Entry point for ``vllm.general_plugins``. Idempotent."""
-    from vllm_specplugin import patches
+    from vllm_specplugin import install
 
-    patches.install()
+    install.install()

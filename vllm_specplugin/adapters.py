@@ -29,8 +29,9 @@ from vllm_specplugin.proposers.sampling import draft_generator
 logger = get_logger()
 
 
-class _CustomClassAdapter:
-    """Shared start-up for the adapters: read k and the validated plugin config."""
+class CustomClassAdapter:
+    """The base of the plugin's custom_class drafters (what the runner-side wrappers recognise as
+    ours): shared start-up, k and the validated plugin config."""
 
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
@@ -54,7 +55,7 @@ class _CustomClassAdapter:
                 yield row, num_tokens, room
 
 
-class RepeatLastTokenProposer(_CustomClassAdapter):
+class RepeatLastTokenProposer(CustomClassAdapter):
     """Diagnostic proposer: drafts the last context token k times.
 
     Useless for speed, ideal as a probe: any verification bug that favours accepting drafts
@@ -74,7 +75,7 @@ class RepeatLastTokenProposer(_CustomClassAdapter):
         return drafts
 
 
-class MultiDraftProposer(_CustomClassAdapter):
+class MultiDraftProposer(CustomClassAdapter):
     """Draft models as a vLLM proposer: one draft, or an ensemble of 2–3 whose predictions are mixed.
 
     Configured from ``additional_config["specplugin"]``: ``drafts``, ``draft_weights``,
@@ -119,9 +120,8 @@ class MultiDraftProposer(_CustomClassAdapter):
             raise SpecPluginConfigError(
                 "drafts", f"{type(self).__name__} needs 1 to 3 draft checkpoint directories, got none"
             )
-        from vllm_specplugin import faults
-
-        faults.install_draft_faults()  # SPECPLUGIN_DRAFT_FAULT (robustness tests); a no-op unless set
+        # SPECPLUGIN_DRAFT_FAULT (robustness tests) wraps this class from above: install.install(),
+        # at plugin load in every process, before the worker builds its proposer (faults.py).
         model_config = vllm_config.model_config
         device = torch.device(vllm_config.device_config.device)
         if device.type == "cuda" and device.index is None:

@@ -56,7 +56,36 @@ def check_vllm_internals() -> list[str]:
     _check_tensor_parallel_internals(need)
     _check_carried_q_internals(need)
     _check_rejection_methods_internals(need)
+    _check_metrics_internals(need)
     return problems
+
+
+def _check_metrics_internals(need) -> None:
+    """vllm_specplugin.metrics with several API servers (``--api-server-count``): the parent builds the
+    engine config with rank -1 and sets PROMETHEUS_MULTIPROC_DIR; each API server builds it again with
+    its own rank and serves /metrics through prometheus_client's MultiProcessCollector only."""
+    from prometheus_client import multiprocess
+    from prometheus_fastapi_instrumentator import Instrumentator
+    from vllm.config import ParallelConfig
+    from vllm.entrypoints.cli import serve
+    from vllm.entrypoints.launchers.api_server import entry
+    from vllm.entrypoints.serve.instrumentator import metrics as instrumentator_metrics
+
+    multi_src = inspect.getsource(serve.run_multi_api_server)
+    need("setup_multiprocess_prometheus()" in multi_src and "_api_process_rank = -1" in multi_src
+         and multi_src.find("create_engine_config(") < multi_src.find("APIServerProcessManager("),
+         "run_multi_api_server: multiprocess prometheus, config built with rank -1 before the API servers start")
+    need('_api_process_rank = client_config.get("client_index", 0)' in inspect.getsource(entry.build_async_engine_client),
+         "an API server of several builds its engine config with its own rank (client_index)")
+    parallel_src = inspect.getsource(ParallelConfig)
+    need("_api_process_count: int" in parallel_src and "_api_process_rank: int" in parallel_src,
+         "ParallelConfig._api_process_count / _api_process_rank")
+    need(".expose(app" in inspect.getsource(instrumentator_metrics.attach_router),
+         "vLLM serves /metrics through prometheus_fastapi_instrumentator's expose()")
+    expose_src = inspect.getsource(Instrumentator.expose)
+    need('"PROMETHEUS_MULTIPROC_DIR" in os.environ' in expose_src and "MultiProcessCollector(" in expose_src,
+         "Instrumentator.expose serves a registry with only a MultiProcessCollector in multiprocess mode")
+    need(callable(getattr(multiprocess.MultiProcessCollector, "collect", None)), "MultiProcessCollector.collect")
 
 
 def _check_lossy_acceptance_internals(need) -> None:

@@ -19,6 +19,19 @@ REPAIR_MODES = ("auto", "on", "off")
 DRAFT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_DRAFTS = 3
 TREE_VERIFY_MODES = ("chain", "tree")
+# How a tree is grown (proposers/tree.py: TREE_SHAPES, which tests/test_config.py ties to this).
+TREE_SHAPES = ("fixed", "dynamic")
+# draft_kernels (the drafts' lean forward; draft_kernels.py runs them)
+DRAFT_KERNELS = ("auto", "vllm", "torch")
+# The key's name before the other kernels joined the products; still accepted.
+DRAFT_GEMM_ALIASES = {"auto": "auto", "onednn": "vllm", "torch": "torch"}
+# acceptance (the rule of the rejection sampler; lossy_acceptance.py applies it)
+ACCEPTANCE_MODES = ("exact", "lenient", "typical")
+LOSSY_ACCEPTANCE_MODES = ("lenient", "typical")
+MEDUSA_EPSILON = 0.09  # Medusa's posterior_threshold default
+MEDUSA_DELTA = 0.3  # Medusa's posterior_alpha default (sqrt of the threshold)
+ACCEPTANCE_KEYS = ("mode", "lenience", "epsilon", "delta", "per_request")
+ACCEPTANCE_PARAM_MODE = {"lenience": "lenient", "epsilon": "typical", "delta": "typical"}  # parameter -> its mode
 
 
 class SpecPluginConfigError(ValueError):
@@ -76,13 +89,19 @@ class SpecPluginConfig:
     # that average).
     adaptive_gamma: dict | None = None
     # Tree drafting (proposers/tree.py): null, or an object with node_budget (16), branching (3),
-    # max_depth (null: gamma for chain, ceil(node_budget / branching) for tree) and verify
-    # ("chain" | "tree"; "chain"). chain: the path with the highest expected accepted
-    # length is verified as a chain by vLLM. tree: the whole tree (up to node_budget nodes, capped
-    # by num_speculative_tokens) is verified losslessly inside vLLM (vllm_specplugin/
-    # tree_verification.py; vLLM 0.32, CPU attention tested, CUDA backends written but untested); requests that need chain-only
-    # features (penalties, bad words, min_tokens, structured output, logprobs, ...) are still
-    # verified as a chain.
+    # max_depth (null: gamma for chain; for tree, ceil(min(node_budget, num_speculative_tokens) /
+    # branching) with shape "fixed", the node budget with "dynamic"), verify ("chain" | "tree";
+    # "chain") and shape ("fixed" | "dynamic"; "fixed"). chain: the path with the highest expected
+    # accepted length is verified as a chain by vLLM. tree: the whole tree (up to node_budget nodes,
+    # capped by num_speculative_tokens) is verified losslessly inside vLLM (vllm_specplugin/
+    # tree_verification.py; vLLM 0.32, CPU attention tested, CUDA backends written but untested);
+    # requests that need chain-only features (penalties, bad words, min_tokens, structured output,
+    # logprobs, ...) are still verified as a chain. shape "fixed": up to branching children per
+    # node; "dynamic": grown best first by each node's chance of acceptance (a confident draft gets
+    # a deep chain, an uncertain one a wide tree), calibrated by alpha (the population's
+    # acceptance of a first child by depth, list; null: each request's own, measured), confidence
+    # (the draft's mean predicted acceptance over the same steps, list) and calibration_weight (4:
+    # pseudo-observations of alpha against a request's own measurements).
     tree_drafting: dict | None = None
     # Share draft KV across requests with a common token prefix (a radix tree of token blocks).
     prefix_sharing: bool = False
@@ -94,10 +113,8 @@ class SpecPluginConfig:
     acceptance: dict | None = None
 
     def acceptance_setting(self):
-        """The validated server-wide acceptance rule (``lossy_acceptance.ServerAcceptance``)."""
-        from vllm_specplugin.lossy_acceptance import ServerAcceptance, parse_server
-
-        return ServerAcceptance() if self.acceptance is None else parse_server(self.acceptance)
+        """The validated server-wide acceptance rule (:class:`ServerAcceptance`)."""
+        return ServerAcceptance() if self.acceptance is None else parse_acceptance(self.acceptance)
 
     @property
     def tree_verify(self) -> str:
@@ -151,8 +168,6 @@ class SpecPluginConfig:
         if "draft_dtype" in raw:
             values["draft_dtype"] = _choice(raw, "draft_dtype", DRAFT_DTYPES)
         if "draft_kernels" in raw or "draft_gemm" in raw:
-            from vllm_specplugin.draft_kernels import DRAFT_GEMM_ALIASES, DRAFT_KERNELS
-
             if "draft_gemm" in raw:
                 if "draft_kernels" in raw:
                     raise SpecPluginConfigError("draft_gemm", "is the former name of draft_kernels; give only one")
@@ -175,9 +190,7 @@ class SpecPluginConfig:
         if "prefix_block_size" in raw:
             values["prefix_block_size"] = _positive_int(raw, "prefix_block_size")
         if raw.get("acceptance") is not None:
-            from vllm_specplugin.lossy_acceptance import parse_server
-
-            parse_server(raw["acceptance"])  # raises SpecPluginConfigError naming the field
+            parse_acceptance(raw["acceptance"])  # raises SpecPluginConfigError naming the field
             values["acceptance"] = dict(raw["acceptance"]) if isinstance(raw["acceptance"], Mapping) else {
                 "mode": raw["acceptance"]}
         for field in ("adapt_draft_weights", "runner_shim", "prefix_sharing"):
@@ -252,14 +265,41 @@ def _tree(value: Any) -> dict:
         if key == "verify":
             out[key] = _choice(value, key, TREE_VERIFY_MODES, "tree_drafting.verify")
             continue
+        if key == "shape":
+            out[key] = _choice(value, key, TREE_SHAPES, "tree_drafting.shape")
+            continue
         if key == "max_depth" and item is None:
+            continue
+        if key in ("alpha", "confidence"):
+            out[key] = _probability_list(item, f"tree_drafting.{key}")
+            continue
+        if key == "calibration_weight":
+            if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item) or item < 0:
+                raise SpecPluginConfigError("tree_drafting.calibration_weight", f"expected a number >= 0, got {item!r}")
+            out[key] = float(item)
             continue
         if key not in ("node_budget", "branching", "max_depth"):
             raise SpecPluginConfigError(
-                f"tree_drafting.{key}", "unknown key; known keys are node_budget, branching, max_depth, verify"
+                f"tree_drafting.{key}",
+                "unknown key; known keys are node_budget, branching, max_depth, verify, shape, alpha, confidence, "
+                "calibration_weight",
             )
         out[key] = _positive_int(value, key, f"tree_drafting.{key}")
+    if out.get("shape", "fixed") != "dynamic":
+        for key in ("alpha", "confidence", "calibration_weight"):
+            if key in out:
+                raise SpecPluginConfigError(f"tree_drafting.{key}", 'applies only to shape "dynamic"')
     return out
+
+
+def _probability_list(item: Any, name: str) -> list[float]:
+    """A non-empty list of probabilities (acceptance by depth: index d - 1 is depth d)."""
+    if not isinstance(item, (list, tuple)) or not item:
+        raise SpecPluginConfigError(name, f"expected a non-empty list of numbers in [0, 1], got {item!r}")
+    for x in item:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not (0 <= x <= 1):
+            raise SpecPluginConfigError(name, f"expected numbers in [0, 1], got {x!r} in {item!r}")
+    return [float(x) for x in item]
 
 
 def _bool(raw: Mapping, field: str) -> bool:
@@ -304,3 +344,79 @@ def _weights(value: Any) -> tuple[float, ...]:
             "draft_weights", f"weights must be finite, >= 0 and not all zero, got {list(value)}"
         )
     return tuple(float(v) for v in value)
+
+
+# -- the acceptance settings (opt-in lossy modes; applied by lossy_acceptance.py) ---------------------
+
+@dataclasses.dataclass(frozen=True)
+class Acceptance:
+    """One acceptance rule. ``lenience`` is used by ``lenient``, ``epsilon``/``delta`` by ``typical``."""
+
+    mode: str = "exact"
+    lenience: float = 1.0
+    epsilon: float = MEDUSA_EPSILON
+    delta: float = MEDUSA_DELTA
+
+    def __post_init__(self):
+        check_acceptance_params(self.mode, self.lenience, self.epsilon, self.delta, ValueError)
+
+    @property
+    def lossy(self) -> bool:
+        return self.mode == "typical" or (self.mode == "lenient" and self.lenience < 1.0)
+
+    @property
+    def label(self) -> str:
+        """The request class: the mode and its parameter(s)."""
+        if self.mode == "lenient":
+            return f"lenient(l={self.lenience:g})"
+        if self.mode == "typical":
+            return f"typical(eps={self.epsilon:g},delta={self.delta:g})"
+        return "exact"
+
+
+def check_acceptance_params(mode, lenience, epsilon, delta, error, prefix: str = "") -> None:
+    """Raise ``error(message)`` unless the values make a valid rule (names prefixed by ``prefix``)."""
+    if not isinstance(mode, str) or mode not in ACCEPTANCE_MODES:
+        raise error(f"{prefix}mode: expected one of {list(ACCEPTANCE_MODES)}, got {mode!r}")
+    for name, value in (("lenience", lenience), ("epsilon", epsilon), ("delta", delta)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise error(f"{prefix}{name}: expected a finite number, got {value!r}")
+    if not 0.0 < lenience <= 1.0:
+        raise error(f"{prefix}lenience: must be in (0, 1] (1 is exact), got {lenience!r}")
+    if not 0.0 <= epsilon <= 1.0:
+        raise error(f"{prefix}epsilon: must be in [0, 1], got {epsilon!r}")
+    if not 0.0 <= delta <= 1.0:
+        raise error(f"{prefix}delta: must be in [0, 1], got {delta!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerAcceptance:
+    default: Acceptance = Acceptance()
+    per_request: bool = True
+
+
+def parse_acceptance(raw: Any) -> ServerAcceptance:
+    """The ``acceptance`` object of the plugin config; raises ``SpecPluginConfigError`` naming the field."""
+    if isinstance(raw, str):
+        raw = {"mode": raw}
+    if not isinstance(raw, Mapping):
+        raise SpecPluginConfigError("acceptance", f"expected an object (or a mode name), got {raw!r}")
+    unknown = sorted(set(raw) - set(ACCEPTANCE_KEYS))
+    if unknown:
+        raise SpecPluginConfigError(f"acceptance.{unknown[0]}", f"unknown key; known keys are {', '.join(ACCEPTANCE_KEYS)}")
+    per_request = raw.get("per_request", True)
+    if not isinstance(per_request, bool):
+        raise SpecPluginConfigError("acceptance.per_request", f"expected true or false, got {per_request!r}")
+    values = {k: raw[k] for k in ("mode", "lenience", "epsilon", "delta") if k in raw}
+    mode = values.get("mode", "exact")
+    for name in values:
+        if name in ACCEPTANCE_PARAM_MODE and mode != ACCEPTANCE_PARAM_MODE[name]:
+            raise SpecPluginConfigError(f"acceptance.{name}", f"applies to mode {ACCEPTANCE_PARAM_MODE[name]!r}, not {mode!r}")
+
+    def error(message: str):
+        field, _, problem = message.partition(": ")
+        return SpecPluginConfigError(field, problem)
+
+    merged = dataclasses.asdict(Acceptance()) | values
+    check_acceptance_params(merged["mode"], merged["lenience"], merged["epsilon"], merged["delta"], error, prefix="acceptance.")
+    return ServerAcceptance(Acceptance(**{k: (v if k == "mode" else float(v)) for k, v in merged.items()}), per_request)

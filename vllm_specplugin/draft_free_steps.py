@@ -28,9 +28,9 @@ MODES = ("plain", "rejection")
 
 
 def _is_ours(runner) -> bool:
-    from vllm_specplugin.adapters import _CustomClassAdapter
+    from vllm_specplugin.adapters import CustomClassAdapter
 
-    return isinstance(getattr(runner, "drafter", None), _CustomClassAdapter)
+    return isinstance(getattr(runner, "drafter", None), CustomClassAdapter)
 
 
 def _plain_when_draft_free(original):

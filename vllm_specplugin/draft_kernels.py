@@ -25,14 +25,12 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_specplugin.config import DRAFT_KERNELS
 from vllm_specplugin.proposers.lean_decode import OutKernels
 from vllm_specplugin.proposers.lean_llama import LeanKernels
 
 logger = logging.getLogger(__name__)
 
-DRAFT_KERNELS = ("auto", "vllm", "torch")
-# The key's name before the other kernels joined the products; still accepted (config.py).
-DRAFT_GEMM_ALIASES = {"auto": "auto", "onednn": "vllm", "torch": "torch"}
 KERNEL_DTYPES = ("float32", "bfloat16")
 PRIMITIVE_CACHE_SIZE = 32  # oneDNN primitives kept per weight (one per row count seen), as vLLM's layers
 _C_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")

@@ -31,8 +31,12 @@ them with exact, complete outputs). A comma-separated list of:
 - ``slow:Nms``: each draft forward sleeps N milliseconds first (a draft much slower than the target);
 - ``seed:S``: the seed of the faults' random stream (default 0; each process has its own stream).
 
-For example ``SPECPLUGIN_DRAFT_FAULT=raise:0.1,slow:20ms``. Installed by ``MultiDraftProposer``
-in the worker; every process that loads the plugin logs a warning while the variable is set.
+For example ``SPECPLUGIN_DRAFT_FAULT=raise:0.1,slow:20ms``. Installed by ``install.install()`` in
+every process that loads the plugin (in a worker: before it builds its proposer); every such process
+logs a warning while the variable is set.
+
+Top layer (tests/test_layout.py): this module wraps the pieces below it (``adapters``, vLLM's
+rejection sampler); none of them imports it.
 """
 
 from __future__ import annotations

@@ -60,22 +60,22 @@ the exact rule, with the same uniform, would have rejected them).
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+# The acceptance settings' schema and parsing live with every other setting's, in config.py (the
+# layer below); Acceptance, ServerAcceptance and Medusa's defaults are also read from here.
+from vllm_specplugin.config import (  # noqa: F401 - MEDUSA_* re-exported
+    ACCEPTANCE_MODES, ACCEPTANCE_PARAM_MODE, MEDUSA_DELTA, MEDUSA_EPSILON, Acceptance, ServerAcceptance,
+    check_acceptance_params,
+)
 from vllm_specplugin.logging_utils import get_logger, log_once
 
 logger = get_logger()
 
-MODES = ("exact", "lenient", "typical")
-LOSSY_MODES = ("lenient", "typical")
-MEDUSA_EPSILON = 0.09  # Medusa's posterior_threshold default
-MEDUSA_DELTA = 0.3  # Medusa's posterior_alpha default (sqrt of the threshold)
-SERVER_KEYS = ("mode", "lenience", "epsilon", "delta", "per_request")
 # extra_args key -> Acceptance field
 REQUEST_KEYS = {
     "specplugin_acceptance": "mode",
@@ -83,88 +83,11 @@ REQUEST_KEYS = {
     "specplugin_typical_epsilon": "epsilon",
     "specplugin_typical_delta": "delta",
 }
-_PARAM_MODE = {"lenience": "lenient", "epsilon": "typical", "delta": "typical"}
 _MARK = "_specplugin_lossy"
 
 
 class LossyRequestError(ValueError):
     """A request's ``specplugin_*`` extra arguments are invalid or not allowed on this server."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Acceptance:
-    """One acceptance rule. ``lenience`` is used by ``lenient``, ``epsilon``/``delta`` by ``typical``."""
-
-    mode: str = "exact"
-    lenience: float = 1.0
-    epsilon: float = MEDUSA_EPSILON
-    delta: float = MEDUSA_DELTA
-
-    def __post_init__(self):
-        check_params(self.mode, self.lenience, self.epsilon, self.delta, ValueError)
-
-    @property
-    def lossy(self) -> bool:
-        return self.mode == "typical" or (self.mode == "lenient" and self.lenience < 1.0)
-
-    @property
-    def label(self) -> str:
-        """The request class: the mode and its parameter(s)."""
-        if self.mode == "lenient":
-            return f"lenient(l={self.lenience:g})"
-        if self.mode == "typical":
-            return f"typical(eps={self.epsilon:g},delta={self.delta:g})"
-        return "exact"
-
-
-def check_params(mode, lenience, epsilon, delta, error, prefix: str = "") -> None:
-    """Raise ``error(message)`` unless the values make a valid rule (names prefixed by ``prefix``)."""
-    if not isinstance(mode, str) or mode not in MODES:
-        raise error(f"{prefix}mode: expected one of {list(MODES)}, got {mode!r}")
-    for name, value in (("lenience", lenience), ("epsilon", epsilon), ("delta", delta)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise error(f"{prefix}{name}: expected a finite number, got {value!r}")
-    if not 0.0 < lenience <= 1.0:
-        raise error(f"{prefix}lenience: must be in (0, 1] (1 is exact), got {lenience!r}")
-    if not 0.0 <= epsilon <= 1.0:
-        raise error(f"{prefix}epsilon: must be in [0, 1], got {epsilon!r}")
-    if not 0.0 <= delta <= 1.0:
-        raise error(f"{prefix}delta: must be in [0, 1], got {delta!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerAcceptance:
-    default: Acceptance = Acceptance()
-    per_request: bool = True
-
-
-def parse_server(raw: Any) -> ServerAcceptance:
-    """The ``acceptance`` object of the plugin config; raises ``SpecPluginConfigError`` naming the field."""
-    from vllm_specplugin.config import SpecPluginConfigError
-
-    if isinstance(raw, str):
-        raw = {"mode": raw}
-    if not isinstance(raw, Mapping):
-        raise SpecPluginConfigError("acceptance", f"expected an object (or a mode name), got {raw!r}")
-    unknown = sorted(set(raw) - set(SERVER_KEYS))
-    if unknown:
-        raise SpecPluginConfigError(f"acceptance.{unknown[0]}", f"unknown key; known keys are {', '.join(SERVER_KEYS)}")
-    per_request = raw.get("per_request", True)
-    if not isinstance(per_request, bool):
-        raise SpecPluginConfigError("acceptance.per_request", f"expected true or false, got {per_request!r}")
-    values = {k: raw[k] for k in ("mode", "lenience", "epsilon", "delta") if k in raw}
-    mode = values.get("mode", "exact")
-    for name in values:
-        if name in _PARAM_MODE and mode != _PARAM_MODE[name]:
-            raise SpecPluginConfigError(f"acceptance.{name}", f"applies to mode {_PARAM_MODE[name]!r}, not {mode!r}")
-
-    def error(message: str):
-        field, _, problem = message.partition(": ")
-        return SpecPluginConfigError(field, problem)
-
-    merged = dataclasses.asdict(Acceptance()) | values
-    check_params(merged["mode"], merged["lenience"], merged["epsilon"], merged["delta"], error, prefix="acceptance.")
-    return ServerAcceptance(Acceptance(**{k: (v if k == "mode" else float(v)) for k, v in merged.items()}), per_request)
 
 
 def request_setting(extra_args: Mapping | None, server: ServerAcceptance) -> Acceptance:
@@ -181,20 +104,20 @@ def request_setting(extra_args: Mapping | None, server: ServerAcceptance) -> Acc
     values = {REQUEST_KEYS[k]: v for k, v in ours.items()}
     mode = values.get("mode", server.default.mode)
     for name in values:
-        if name in _PARAM_MODE and mode != _PARAM_MODE[name]:
+        if name in ACCEPTANCE_PARAM_MODE and mode != ACCEPTANCE_PARAM_MODE[name]:
             key = next(k for k, f in REQUEST_KEYS.items() if f == name)
-            raise LossyRequestError(f"{key} applies to specplugin_acceptance={_PARAM_MODE[name]!r}, "
+            raise LossyRequestError(f"{key} applies to specplugin_acceptance={ACCEPTANCE_PARAM_MODE[name]!r}, "
                                     f"but the request's mode is {mode!r}")
     merged = dataclasses.asdict(server.default) | values
     if not isinstance(merged["mode"], str):
-        raise LossyRequestError(f"specplugin_acceptance: expected one of {list(MODES)}, got {merged['mode']!r}")
+        raise LossyRequestError(f"specplugin_acceptance: expected one of {list(ACCEPTANCE_MODES)}, got {merged['mode']!r}")
     field_names = {v: k for k, v in REQUEST_KEYS.items()}
 
     def error(message: str):
         field, _, problem = message.partition(": ")
         return LossyRequestError(f"{field_names.get(field, field)}: {problem}")
 
-    check_params(merged["mode"], merged["lenience"], merged["epsilon"], merged["delta"], error)
+    check_acceptance_params(merged["mode"], merged["lenience"], merged["epsilon"], merged["delta"], error)
     setting = Acceptance(**{k: (v if k == "mode" else float(v)) for k, v in merged.items()})
     if setting != server.default and not server.per_request:
         raise LossyRequestError("this server does not take per-request acceptance settings "

@@ -3,8 +3,10 @@
 Proposers run in the worker process; ``/metrics`` is served by the front end. The front end
 makes a fresh directory when it builds the engine config and names it in an environment
 variable that the engine processes inherit; each worker writes a JSON snapshot there, and a
-collector in the front end's default registry (the one vLLM serves) sums the snapshots at
-scrape time. The names start with ``specplugin:``, next to vLLM's ``vllm:spec_decode_*``.
+collector sums the snapshots at scrape time: in the front end's default registry, or, with
+several API servers (``--api-server-count``), through the multiprocess collector each of them
+serves /metrics from, all reading the one directory (:func:`prepare_metrics_dir`). The names start
+with ``specplugin:``, next to vLLM's ``vllm:spec_decode_*``.
 """
 
 from __future__ import annotations
@@ -31,17 +33,48 @@ FAILURE_LOG_INTERVAL_S = 60.0
 _collector_registered = False
 
 
-def prepare_metrics_dir() -> None:
-    """In the front end, before the engine starts: a fresh snapshot directory, and the collector."""
+def prepare_metrics_dir(api_process_count: int = 1, api_process_rank: int = 0) -> None:
+    """In the front end, as it builds the engine config: the snapshot directory, and the collector.
+
+    One API server (the default): a fresh directory, which the engine processes started next
+    inherit. Several (``--api-server-count N``; vLLM's ``ParallelConfig._api_process_count`` /
+    ``_api_process_rank``): vLLM builds the config in a parent process (rank -1), which starts the
+    engine and then the N API server processes (ranks 0..N-1); each builds the config again. They
+    read the parent's directory, which they inherited, since only that one is written to.
+    """
     global _collector_registered
-    directory = tempfile.mkdtemp(prefix="specplugin-metrics-")
-    os.environ[METRICS_DIR_ENV] = directory
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    inherited = os.environ.get(METRICS_DIR_ENV)
+    if not (api_process_count > 1 and api_process_rank >= 0 and inherited and os.path.isdir(inherited)):
+        directory = tempfile.mkdtemp(prefix="specplugin-metrics-")
+        os.environ[METRICS_DIR_ENV] = directory
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
     if not _collector_registered:
         from prometheus_client import REGISTRY
 
         REGISTRY.register(SnapshotCollector())
+        _serve_through_multiprocess_collectors()
         _collector_registered = True
+
+
+def _serve_through_multiprocess_collectors() -> None:
+    """With ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM sets it for ``--api-server-count`` > 1), /metrics
+    is served from a registry made at each scrape that holds only prometheus_client's
+    ``MultiProcessCollector`` (prometheus_fastapi_instrumentator's ``expose``, which vLLM's
+    ``attach_router`` calls; vLLM's own ``get_prometheus_registry`` does the same), never from the
+    default registry the snapshot collector is in. So in this process every multiprocess collector
+    also yields the snapshot families: files every API server reads, not per-process values to sum."""
+    from prometheus_client import multiprocess
+
+    from vllm_specplugin.patches import wrap_once
+
+    def with_snapshots(original):
+        def collect(self):
+            yield from original(self)
+            yield from SnapshotCollector().collect()
+
+        return collect
+
+    wrap_once(multiprocess.MultiProcessCollector, "collect", with_snapshots, mark="_specplugin_metrics")
 
 
 class MetricsPublisher:
@@ -131,10 +164,9 @@ class SnapshotCollector:
         def total(key):
             return sum(s.get(key, 0) for s in snapshots)
 
+        # Not here: drafted and accepted tokens, verify steps and accepted tokens by position, which vLLM
+        # counts itself (vllm:spec_decode_*) from the rejection sampler (docs/observability.md).
         for key, doc in [
-            ("drafted_tokens", "Draft tokens whose verification outcome the proposer observed."),
-            ("accepted_tokens", "Draft tokens the target accepted."),
-            ("verify_steps", "Verification steps observed (request x step)."),
             ("propose_calls", "Calls of the proposer."),
             ("fallback_requests", "Times a request got no draft because of the draft model's length limit."),
             ("backoff_steps", "Steps in which adaptive gamma drafted nothing because the batch was large."),
@@ -164,7 +196,6 @@ class SnapshotCollector:
             yield family
         for key, doc in [
             ("drafted_per_position", "Draft tokens observed, by position in the draft."),
-            ("accepted_per_position", "Accepted draft tokens, by position in the draft."),
         ]:
             family = CounterMetricFamily(f"specplugin:{key}", doc, labels=["position"])
             counts: dict[int, int] = {}

@@ -5,7 +5,7 @@ float or int32 buffer from ``expand_batch_to_tokens`` is never filled, and float
 truncated. Speculative rejection sampling then reads per-token temperature, top-k and top-p from
 uninitialised memory. This module registers a dtype-preserving implementation in its place.
 
-It must run *after* the platform registers its fallbacks (see ``patches.py``), otherwise the
+It must run *after* the platform registers its fallbacks (see ``install.py``), otherwise the
 platform's registration overwrites it.
 
 A second repair, :func:`apply_empty_top_k_repair`, is applied from the same place: vLLM 0.32's

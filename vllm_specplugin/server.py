@@ -1,7 +1,8 @@
 """The real OpenAI-compatible vLLM server on 127.0.0.1, as a context manager.
 
-Starts ``specplugin-vllm serve`` (vLLM's own CLI) in its own process group, waits for
-/health, and always shuts the whole group down on exit, even when the body raises.
+Starts ``specplugin-vllm serve`` (vLLM's own CLI) in its own process group, in the caller's
+current directory (relative model paths mean what they mean to the caller), waits for /health,
+and always shuts the whole group down on exit, even when the body raises.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import time
 import urllib.error
 import urllib.request
 
-# The repository (or, installed, the site-packages dir): working dir of the engines it starts.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from vllm_specplugin.paths import require_demo_models
 
 
 def engine_env() -> dict:
@@ -58,6 +58,7 @@ class VllmServer:
     ):
         self.extra_env = extra_env or {}
         self.model = model
+        self.speculative_config, self.additional_config = speculative_config, additional_config
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.startup_timeout_s = startup_timeout_s
@@ -77,9 +78,13 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> VllmServer:
+        # A demo model that is not there (outside a checkout, say) stops here with a message that
+        # says how to get it, not in vLLM's hub lookup.
+        plugin = (self.additional_config or {}).get("specplugin") or {}
+        require_demo_models(self.model, (self.speculative_config or {}).get("model"), *plugin.get("drafts", []))
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            self.args, cwd=REPO_ROOT, env={**engine_env(), **self.extra_env}, stdout=self._log,
+            self.args, env={**engine_env(), **self.extra_env}, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True,
         )
         try:

@@ -2,8 +2,8 @@
 
 vLLM 0.32 verifies chains only (its tree attention was removed upstream). This module holds all
 the vLLM coupling that lets the plugin's :class:`~vllm_specplugin.proposers.tree.TreeProposer`
-have a whole token tree verified in one target forward, exactly (design map:
-``/work/shared/TREE_VERIFICATION.md``):
+have a whole token tree verified in one target forward, exactly (the design, with the vLLM
+internals each step relies on and the acceptance rule: ``docs/tree-verification.md``):
 
 1. **Drafts = tree nodes.** The proposer returns the tree's nodes parents first (BFS) as the
    request's draft tokens; the adapter keeps each request's parents (``tree_plans``). vLLM's
@@ -219,7 +219,8 @@ def read_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: i
 
 def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_key: torch.Tensor,
                    prefix_value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of a tree's rows: node i sees the whole prefix and its ancestors-or-self.
+    """Attention of a tree's rows: node i sees the whole prefix and its ancestors-or-self. One tree,
+    unpadded: the reference the engine's :func:`tree_attention_batch` is tested against.
 
     ``query`` [N, H, D]; ``key``/``value`` [N, H_kv, D] (the tree's own, post-RoPE);
     ``prefix_key``/``prefix_value`` [n0, H_kv, D]; ``mask`` [N, N] bool (True: attend).
@@ -240,6 +241,35 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         attn_mask=full_mask.to(query.device), scale=scale,
     )
     return out.transpose(0, 1)
+
+
+def tree_attention_batch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix_key: torch.Tensor,
+                         prefix_value: torch.Tensor, prefix_lengths: torch.Tensor, mask: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """:func:`tree_attention` for E trees at once, padded: one attention call, no loop.
+
+    ``query`` [E, N, H, D]; ``key``/``value`` [E, N, H_kv, D]; ``prefix_key``/``prefix_value``
+    [E, L, H_kv, D], of which entry e's first ``prefix_lengths[e]`` rows are its prefix (the rest
+    is padding, possibly garbage: zeroed before use, so a NaN there cannot leak); ``mask``
+    [E, N, N] bool (every row needs a True: padded rows attend to themselves). Returns
+    [E, N, H, D] float32.
+    """
+    entries, nodes, heads, _ = query.shape
+    length = prefix_key.shape[1]
+    valid = torch.arange(length, device=prefix_key.device)[None, :] < prefix_lengths.to(prefix_key.device)[:, None]
+    keep = valid[:, :, None, None]
+    keys = torch.cat([prefix_key.float().masked_fill(~keep, 0), key.float()], dim=1)  # [E, L + N, H_kv, D]
+    values = torch.cat([prefix_value.float().masked_fill(~keep, 0), value.float()], dim=1)
+    group = heads // keys.shape[2]
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=2)
+        values = values.repeat_interleave(group, dim=2)
+    full_mask = torch.cat([valid[:, None, :].expand(entries, nodes, length), mask.to(valid.device)], dim=2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float().transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=full_mask[:, None].to(query.device), scale=scale,
+    )
+    return out.transpose(1, 2)
 
 
 def first_child_subtree(parents: Sequence[int]) -> list[int]:
@@ -328,6 +358,7 @@ class TreeStep:
     fault: str | None
     saved: list[_SavedLayer] = dataclasses.field(default_factory=list)
     backend: TreeBackendSpec = CPU_BACKEND  # whose cache writer compacts
+    layout_cache: _StepLayout | None = None  # the trees' rows and masks, from the first layer
 
 
 _CURRENT: TreeStep | None = None
@@ -405,26 +436,75 @@ def backend_path(spec: TreeBackendSpec) -> str:
 BACKEND_PATH = backend_path(CPU_BACKEND)
 
 
+# The gathered keys of one attention call are bounded by this (float32 bytes, K and V of the padded
+# prefixes): trees of a large batch are attended in chunks of entries, not all at once.
+TREE_ATTENTION_CHUNK_BYTES = 256 << 20
+
+
+@dataclasses.dataclass
+class _StepLayout:
+    """Where a step's trees sit, computed at its first attention layer (the same for every layer)."""
+
+    node_rows: torch.Tensor  # [E, N] int64: each node's token row (padding: the entry's root row)
+    real: torch.Tensor  # [E, N] bool: a node, not padding
+    rows: torch.Tensor  # [sum of sizes] int64: the nodes' token rows, entry by entry
+    sizes: list[int]  # [E] nodes per entry (root included)
+    prefix_lengths: torch.Tensor  # [E] int64: n0, the root's position
+    block_rows: torch.Tensor  # [E] int64: the entries' batch rows (their block table rows)
+    mask: torch.Tensor  # [E, N, N] bool: ancestor-or-self, padding rows attend to themselves
+
+
+def _step_layout(step: TreeStep, attn_metadata) -> _StepLayout:
+    entries = step.entries
+    sizes = [entry.num_nodes for entry in entries]
+    width = max(sizes)
+    offsets = torch.arange(width)
+    starts = torch.tensor([entry.query_start for entry in entries], dtype=torch.int64)
+    real = offsets[None, :] < torch.tensor(sizes)[:, None]
+    node_rows = torch.where(real, starts[:, None] + offsets[None, :], starts[:, None])
+    mask = torch.eye(width, dtype=torch.bool).repeat(len(entries), 1, 1)
+    for index, entry in enumerate(entries):
+        n = entry.num_nodes
+        mask[index, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril() if step.fault == "no_ancestor_mask" else entry.mask
+    block_rows = torch.tensor([entry.row for entry in entries], dtype=torch.int64)
+    seq_lens = torch.as_tensor(attn_metadata.seq_lens).to("cpu", torch.int64)
+    prefix_lengths = seq_lens[block_rows] - torch.tensor(sizes)
+    return _StepLayout(node_rows, real, node_rows[real], sizes, prefix_lengths, block_rows, mask)
+
+
 def _recompute_tree_rows(impl, step: TreeStep, layer, query, key, value, kv_cache, attn_metadata, output) -> None:
     """Overwrite ``output`` [T, H, D] at every tree entry's rows with tree attention, and save the
-    rows' K/V [N, H_kv, D] and slots [N] for the compaction after sampling."""
-    saved = _SavedLayer(impl, layer, kv_cache, [], [], [])
+    rows' K/V [N, H_kv, D] and slots [N] for the compaction after sampling.
+
+    All trees of the step in one padded attention call (chunked by memory), their prefixes read
+    from the paged cache in one gather: no loop over requests per layer."""
+    if step.layout_cache is None:
+        step.layout_cache = _step_layout(step, attn_metadata)
+    plan = step.layout_cache
+    device = query.device
     block = kv_cache.shape[2]
-    for entry in step.entries:
-        start, n = entry.query_start, entry.num_nodes
-        rows = slice(start, start + n)
-        prefix_len = int(attn_metadata.seq_lens[entry.row]) - n  # n0: the root's position
-        blocks = attn_metadata.block_table[entry.row, : max(1, -(-prefix_len // block))]
-        prefix_k, prefix_v = read_paged_kv(kv_cache, blocks, prefix_len, step.layout)
-        mask = entry.mask
-        if step.fault == "no_ancestor_mask":
-            mask = torch.ones(n, n, dtype=torch.bool).tril()
-        out = tree_attention(query[rows], key[rows], value[rows], prefix_k, prefix_v, mask, impl.scale)
-        output[rows] = out.to(output.dtype)
-        saved.keys.append(key[rows].clone())
-        saved.values.append(value[rows].clone())
-        saved.slots.append(attn_metadata.slot_mapping[rows].to(torch.int64).clone())
-    step.saved.append(saved)
+    heads_kv, dim = key.shape[1], key.shape[2]
+    per_entry = 2 * 4 * heads_kv * dim * (int(plan.prefix_lengths.max()) + plan.mask.shape[1])
+    chunk = max(1, TREE_ATTENTION_CHUNK_BYTES // max(1, per_entry))
+    node_rows, real = plan.node_rows.to(device), plan.real.to(device)
+    for first in range(0, len(plan.sizes), chunk):
+        part = slice(first, first + chunk)
+        lengths = plan.prefix_lengths[part]
+        blocks = max(1, -(-int(lengths.max()) // block))
+        table = attn_metadata.block_table[plan.block_rows[part].to(attn_metadata.block_table.device), :blocks]
+        entries = table.shape[0]
+        prefix_k, prefix_v = read_paged_kv(kv_cache, table.reshape(-1), entries * blocks * block, step.layout)
+        rows = node_rows[part]
+        out = tree_attention_batch(
+            query[rows], key[rows], value[rows],
+            prefix_k.reshape(entries, blocks * block, heads_kv, dim), prefix_v.reshape(entries, blocks * block, heads_kv, dim),
+            lengths, plan.mask[part], impl.scale)
+        output[rows[real[part]]] = out[real[part].to(out.device)].to(output.dtype)
+    rows = plan.rows.to(device)
+    keys, values = key[rows].clone(), value[rows].clone()
+    slots = attn_metadata.slot_mapping[rows.to(attn_metadata.slot_mapping.device)].to(torch.int64)
+    step.saved.append(_SavedLayer(impl, layer, kv_cache, list(keys.split(plan.sizes)), list(values.split(plan.sizes)),
+                                  list(slots.split(plan.sizes))))
 
 
 def register_backend(platform: str | None = None) -> None:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from vllm_specplugin.throughput.bench import WorkloadResult, format_table
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 RESULTS: dict[str, list[WorkloadResult]] = {}
 
@@ -25,7 +25,7 @@ def bench_results():
     out_dir = os.path.join(REPO_ROOT, "runs", "bench")
     os.makedirs(out_dir, exist_ok=True)
     for name, results in RESULTS.items():
-        baseline = {(r.batch, r.temperature): r.tokens_per_s for r in results if r.config == "plain"}
+        baseline = {r.key: r.tokens_per_s for r in results if r.config == "plain"}
         table = format_table(results, baseline)
         print(f"\n\n{name}\n{table}\n")
         with open(os.path.join(out_dir, f"{name}-{stamp}.md"), "w") as f:

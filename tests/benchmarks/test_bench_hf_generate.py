@@ -33,7 +33,7 @@ import torch
 from vllm_specplugin.proposers.hf_generate import SpeculativeStats, build_proposer, speculative_generate
 from vllm_specplugin.throughput.bench import WorkloadResult, record_benchmark
 from vllm_specplugin.throughput.workloads import heldout_prompts
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 from vllm_specplugin.verification.hf_driver import count_assisted_steps
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")

@@ -86,8 +86,12 @@ def _tree(budget: int, verify: str) -> ServedConfig:
                                         "verify": verify})
 
 
+# "chain N": a chain as long as the tree has nodes, so a tree step of N is compared with a chain
+# step of N (the query tokens are the same; the difference is the tree's own cost).
 TREE_CONFIGS = [ServedConfig("plain"), plugin_config("chain", [MB_DRAFT], DEPTH)] + [
-    _tree(budget, verify) for budget in BUDGETS for verify in ("chain", "tree")]
+    config for budget in BUDGETS
+    for config in ([plugin_config(f"chain {budget}", [MB_DRAFT], budget)] if budget != DEPTH else [])
+    + [_tree(budget, verify) for verify in ("chain", "tree")]]
 
 tree_served = served_fixture(TREE_CONFIGS, target=os.path.join(DEMO_MB, "target"))
 
@@ -117,8 +121,12 @@ def test_tree_verification(benchmark, bench_results, tree_served, temperature, b
         tokens_per_target_pass=per_pass, draft_only_best_path_per_pass=predicted_best, trees_verified=verified,
         non_first_children_accepted=non_first, speedup_vs_chain=result.tokens_per_s / chain if chain else None,
     )
+    same_length = _throughput(results, f"chain {config.name.split()[-1]}", batch, temperature) \
+        if config.name.startswith("tree") else None
     vs = " ".join(f"{r:.2f}x {n}" for n, r in (("plain", plain and result.tokens_per_s / plain),
-                                               ("chain", chain and result.tokens_per_s / chain)) if r)
+                                               ("chain", chain and result.tokens_per_s / chain),
+                                               ("chain of as many nodes", same_length and result.tokens_per_s / same_length))
+                  if r)
     r_cost = result.verify_cost_ratio(plain)
     print(f"\n{config.name:12s} T={temperature:g} batch {batch:2d}: {per_pass:.3f} tokens per target pass"
           + (f" (draft-only best-path estimate {predicted_best:.3f}; the target-aware prediction: "

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from vllm_specplugin.verification.drivers import REPO_ROOT, GenerationTask, SamplingConfig, run_offline
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
+from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig, run_offline
 
 pytestmark = pytest.mark.engine
 

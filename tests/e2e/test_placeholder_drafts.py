@@ -21,7 +21,8 @@ import sys
 
 import pytest
 
-from vllm_specplugin.server import REPO_ROOT, engine_env
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
+from vllm_specplugin.server import engine_env
 
 pytestmark = pytest.mark.engine
 

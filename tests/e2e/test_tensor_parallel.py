@@ -12,7 +12,7 @@ its own sampled tokens (vllm_specplugin/tensor_parallel.py). Here TP rank 1's q 
 
 The counters come from each rank's report (``SPECPLUGIN_TP_REPORT_DIR``). Exactness under TP=2 is
 in tests/statistical (``test_tensor_parallel_plugin_is_exact``), a load run in
-``python -m vllm_specplugin.verification.soak --short --tensor-parallel-size 2``.
+``python -m vllm_specplugin.throughput.soak --short --tensor-parallel-size 2``.
 Two engines, about 2.5 min on a quiet 2-core machine.
 """
 

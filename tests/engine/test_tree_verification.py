@@ -25,7 +25,8 @@ import time
 
 import pytest
 
-from vllm_specplugin.server import REPO_ROOT, engine_env
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
+from vllm_specplugin.server import engine_env
 
 pytestmark = pytest.mark.engine
 
@@ -90,12 +91,13 @@ def run_job(requests, speculative_config=None, additional_config=None, extra_env
             return {**json.load(f), "log": text}
 
 
-def _spec(verify: str) -> tuple[dict, dict]:
+def _spec(verify: str, shape: str = "fixed") -> tuple[dict, dict]:
+    tree = {"node_budget": NODE_BUDGET, "branching": 3, "max_depth": MAX_DEPTH, "verify": verify}
+    if shape == "dynamic":  # no branching, no depth cap: the shape is chosen per request
+        tree = {"node_budget": NODE_BUDGET, "verify": verify, "shape": "dynamic"}
     return ({"method": "custom_class", "model": "vllm_specplugin.adapters.MultiDraftProposer",
              "num_speculative_tokens": NODE_BUDGET},
-            {"specplugin": {"drafts": [DRAFT],
-                            "tree_drafting": {"node_budget": NODE_BUDGET, "branching": 3, "max_depth": MAX_DEPTH,
-                                              "verify": verify}}})
+            {"specplugin": {"drafts": [DRAFT], "tree_drafting": tree}})
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +109,13 @@ def plain():
 def tree_run():
     spec, extra = _spec("tree")
     return run_job(_requests(), spec, extra, extra_env=_fault_env())
+
+
+@pytest.fixture(scope="module")
+def dynamic_run():
+    spec, extra = _spec("tree", shape="dynamic")
+    requests = [r for r in _requests() if r["group"] in ("greedy", "sampled")]
+    return run_job(requests, spec, extra, extra_env=_fault_env())
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +162,9 @@ def test_greedy_tree_verification_equals_plain_decoding(plain, tree_run):
     assert greedy_problems(tree_run, plain) == []
 
 
+# Four more engines: in the extended tier (make test-extended) since 5 Dec, to keep make test within
+# CI's time (the tree walk's own faults stay in make test's statistical tier: (h), (i), (k)).
+@pytest.mark.extended
 @pytest.mark.parametrize("fault", ENGINE_FAULTS)
 def test_engine_fault_breaks_the_greedy_checks(plain, fault):
     """Each engine-side fault of tree verification, injected, is caught by the greedy checks."""
@@ -202,3 +214,29 @@ def test_probe_failure_refuses_tree_mode():
                   expect_failure=True, enforce_eager=True)
     assert "tree_drafting.verify = 'tree' refused" in log
     assert "KV cache layout probe failed" in log
+
+
+def test_dynamic_tree_shape_equals_plain_decoding_and_accepts_at_least_the_fixed_tree(plain, tree_run, dynamic_run):
+    """tree_drafting.shape = "dynamic" (the tree grown best first by each node's chance of
+    acceptance, no fixed depth or width): greedy prompts give plain decoding's tokens; the sampled
+    requests run whole with no walk failure; and per verification step the dynamic trees accept at
+    least what the fixed trees of the same node budget accept (greedy group: each shape verifies
+    the same prompts; the dynamic tree may be a chain, which vLLM's own sampler verifies)."""
+    greedy = len(PROMPTS)
+    for index in range(greedy):
+        assert dynamic_run["outputs"][index] == plain["outputs"][index], f"prompt {index} differs from plain decoding"
+    for index in range(greedy, 2 * greedy):
+        assert len(dynamic_run["outputs"][index]) == MAX_TOKENS
+    assert "tree verification of request" not in dynamic_run["log"]
+    assert "Traceback" not in dynamic_run["log"]
+    fixed = tree_run["plugin_groups"]["greedy"]
+    dynamic = dynamic_run["plugin_groups"]["greedy"]
+
+    def per_step(group: dict) -> float:
+        # Σ accepted over the group's verification steps (tree steps and chain steps alike)
+        return group["accepted_tokens"] / group["verify_steps"]
+
+    print(f"greedy, accepted per verification step: fixed tree {per_step(fixed):.3f} "
+          f"({fixed.get('tree_verify_steps')} tree steps), dynamic {per_step(dynamic):.3f} "
+          f"({dynamic.get('tree_verify_steps')} tree steps); sampled groups: {dynamic_run['plugin_groups']['sampled']}")
+    assert per_step(dynamic) >= per_step(fixed)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from vllm_specplugin.server import ServerStartError, VllmServer
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 pytestmark = pytest.mark.server
 

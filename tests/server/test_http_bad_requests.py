@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from vllm_specplugin.server import VllmServer
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 pytestmark = pytest.mark.server
 

@@ -21,7 +21,8 @@ import pytest
 
 from vllm_specplugin.server import VllmServer, metric_total
 from vllm_specplugin.verification.check import analyse, decide
-from vllm_specplugin.verification.drivers import REPO_ROOT, SamplingConfig, request_seed
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
+from vllm_specplugin.verification.drivers import SamplingConfig, request_seed
 from vllm_specplugin.verification.reference import TargetReference
 
 pytestmark = pytest.mark.server

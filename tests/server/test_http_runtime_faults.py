@@ -35,7 +35,7 @@ import pytest
 
 from vllm_specplugin.server import VllmServer, metric_total
 from vllm_specplugin.throughput.workloads import heldout_prompts
-from vllm_specplugin.verification.drivers import REPO_ROOT
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 
 pytestmark = pytest.mark.server
 
@@ -216,7 +216,7 @@ def hostile(plain):
         result["healthy"] = _healthy(server)
         result["log"] = server_log(server)
         result["server"] = server
-        health = _health(result["metrics"])
+        health = _health(result["metrics"], result["vllm"])
         print(f"\nhostile server ({FAULTS}, 1 MiB budget): {json.dumps(health)}, "
               f"{health['draft_cache_evictions_total'] / max(health['propose_calls_total'], 1):.1f} evictions per "
               f"drafting step; workload {result['seconds']:.1f} s + {result['second']['seconds']:.1f} s")
@@ -230,10 +230,23 @@ def _healthy(server) -> bool:
         return r.status == 200
 
 
-def _health(metrics: dict) -> dict:
+def _series(samples: dict, name: str) -> float:
+    """A series' total; a series the server does not export is an error, not a zero (a renamed or
+    dropped series must fail the check that reads it)."""
+    if not any(k == name or k.startswith(name + "{") for k in samples):
+        raise AssertionError(f"the server exports no {name} series")
+    return metric_total(samples, name)
+
+
+def _health(metrics: dict, vllm_metrics: dict) -> dict:
+    """The plugin's fault counters and vLLM's own draft/accept counters (the plugin does not repeat
+    vLLM's series)."""
     keys = ("draft_failures_total", "nonfinite_draft_rows_total", "drafting_disabled", "draft_cache_evictions_total",
-            "propose_calls_total", "drafted_tokens_total", "accepted_tokens_total")
-    return {k: metric_total(metrics, f"specplugin:{k}") for k in keys}
+            "propose_calls_total")
+    health = {k: _series(metrics, f"specplugin:{k}") for k in keys}
+    health["drafted_tokens_total"] = _series(vllm_metrics, "vllm:spec_decode_num_draft_tokens_total")
+    health["accepted_tokens_total"] = _series(vllm_metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    return health
 
 
 def test_a_draft_that_raises_on_some_steps(plain, hostile):
@@ -242,7 +255,7 @@ def test_a_draft_that_raises_on_some_steps(plain, hostile):
     100th); /metrics counts them; drafting goes on between failures."""
     compared, differ = compare_greedy(plain["greedy"], hostile["greedy"])
     compare_greedy(plain["greedy"], hostile["second"]["greedy"])
-    health = _health(hostile["metrics"])
+    health = _health(hostile["metrics"], hostile["vllm"])
     print(f"\ngreedy tokens compared {compared} (x2 rounds), sequences differing at near-ties {differ}")
     assert hostile["healthy"]
     assert health["draft_failures_total"] > 0
@@ -258,7 +271,7 @@ def test_a_draft_that_returns_nan_logits(plain, hostile):
     """Sampled rows whose q is NaN lose their draft for that step (counted, logged with a count);
     greedy rows draft a one-hot q, which verification accepts or rejects exactly."""
     compare_greedy(plain["greedy"], hostile["greedy"])
-    health = _health(hostile["metrics"])
+    health = _health(hostile["metrics"], hostile["vllm"])
     assert health["nonfinite_draft_rows_total"] > 0
     assert "dropped the draft of request" in hostile["log"]
     assert "(1 such drafts so far, specplugin:nonfinite_draft_rows_total)" in hostile["log"]
@@ -271,7 +284,7 @@ def test_a_tiny_draft_memory_budget_evicts_every_step(plain, hostile):
     """1 MiB for two drafts: 16 concurrent requests' caches do not fit, so the least recently used
     are evicted (and re-prefilled) in every drafting step; outputs stay exact and complete."""
     compare_greedy(plain["greedy"], hostile["greedy"])
-    health = _health(hostile["metrics"])
+    health = _health(hostile["metrics"], hostile["vllm"])
     assert health["draft_cache_evictions_total"] >= health["propose_calls_total"] > 0  # >= 1 per step
 
 

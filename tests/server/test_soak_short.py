@@ -12,13 +12,14 @@ import os
 
 import pytest
 
-from vllm_specplugin.verification import soak
+from vllm_specplugin.paths import CHECKOUT_ROOT
+from vllm_specplugin.throughput import soak
 
 pytestmark = pytest.mark.server
 
 
 def test_short_soak():
-    cfg = soak.short_config(out_dir=os.path.join(soak.REPO_ROOT, "runs", "soak"), tag="short", progress=False)
+    cfg = soak.short_config(out_dir=os.path.join(CHECKOUT_ROOT, "runs", "soak"), tag="short", progress=False)
     report = soak.run_soak(cfg)
     summary = soak.format_summary(report)
     print("\n" + summary)

