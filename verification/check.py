@@ -89,6 +89,7 @@ class CheckReport:
     startup_s: float
     wall_s: float
     family_size: int = 0  # hypotheses in the family alpha is spent over (0: this report's cases)
+    engine_options: dict | None = None  # more vllm.LLM arguments of the engine (e.g. enforce_eager)
 
     @property
     def passed(self) -> bool:
@@ -477,6 +478,7 @@ def run_check(
     method: str = "pearson",
     reference: TargetReference | None = None,
     max_model_len: int = 512,
+    engine_options: dict | None = None,
     driver: str | Driver = "offline",
     driver_name: str | None = None,
     progress: bool = True,
@@ -488,7 +490,8 @@ def run_check(
     ``driver``: "offline" (``LLM.generate`` in a fresh process) or "http" (the real
     OpenAI-compatible server on 127.0.0.1), both with ``speculative_config``,
     ``additional_config``, ``max_model_len`` and ``injected_fault``
-    (``SPECPLUGIN_INJECT_FAULT``); or any callable ``driver(tasks) -> EngineRun`` (e.g. the
+    (``SPECPLUGIN_INJECT_FAULT``), the offline driver also with ``engine_options`` (more
+    ``vllm.LLM`` arguments, e.g. ``{"enforce_eager": True}``); or any callable ``driver(tasks) -> EngineRun`` (e.g. the
     transformers driver, ``verification.hf_driver.run_hf_check``), which then owns those settings
     (they are only recorded in the report), reported as ``driver_name``.
 
@@ -505,12 +508,16 @@ def run_check(
         if driver not in ENGINE_DRIVERS:
             raise ValueError(f"driver must be one of {sorted(ENGINE_DRIVERS)} or a callable, got {driver!r}")
         driver_name, engine = driver, ENGINE_DRIVERS[driver]
+        if engine_options and driver != "offline":
+            raise ValueError(f"engine_options are for the offline driver (got driver {driver!r}); "
+                             "give the http server its arguments through a driver of your own")
+        options = {"engine_options": engine_options} if engine_options else {}
         # An injected fault is a deliberate request: its engine gets the testing switch too.
         extra_env = {"SPECPLUGIN_INJECT_FAULT": injected_fault, **switch_env()} if injected_fault else None
 
         def driver(tasks: list[GenerationTask]) -> EngineRun:
             return engine(model, tasks, speculative_config=speculative_config, additional_config=additional_config,
-                          max_model_len=max_model_len, extra_env=extra_env)
+                          max_model_len=max_model_len, extra_env=extra_env, **options)
     driver_name = driver_name or getattr(driver, "__name__", "custom")
     if family_size is not None and family_size < len(samplings):
         raise ValueError(f"family_size {family_size} is smaller than the {len(samplings)} cases of this report")
@@ -537,4 +544,5 @@ def run_check(
         model=model, speculative_config=speculative_config, additional_config=additional_config,
         injected_fault=injected_fault, driver=driver_name, alpha=alpha, delta=delta, method=method, cases=cases,
         startup_s=run.startup_s, wall_s=time.perf_counter() - t0, family_size=family_size or 0,
+        engine_options=engine_options,
     )
