@@ -171,12 +171,35 @@ def test_workload_within_bounds():
             assert j.body.get("top_p", 1.0) < 1.0  # see the module docstring: top-k alone kills the engine
     streams = [j for j in jobs if j.stream and j.repeat_of is None]
     assert 0.06 < sum(j.disconnect_after is not None for j in streams) / len(streams) < 0.14
-    assert {j.temperature for j in jobs} == {0.0, 0.7, 1.0}
+    assert {j.temperature for j in jobs} == {0.0, 0.7, 1.0, 1.3}  # 1.3: creative's hot setting
     assert any(j.repeat_of is not None for j in jobs) and any(j.endpoint == "chat" for j in jobs)
     assert min(len(j.body["prompt"]) for j in jobs if isinstance(j.body.get("prompt"), list)) == 1
     assert any(j.max_tokens == 1 for j in jobs) and any(j.stop for j in jobs) and any(j.seeded for j in jobs)
     levels = soak.concurrency_schedule(cfg)
     assert min(levels) == 1 and max(levels) == cfg.max_concurrency
+
+
+def test_workload_draws_every_category_of_the_library():
+    """The soak's prompts come from the workload library (throughput/workloads.py): every text
+    category is drawn, creative only at its own temperatures, every prompt a window of its
+    category's prompts, and a copy prompt ends where a copy prompt of the library ends."""
+    pytest.importorskip("tokenizers")
+    from vllm_specplugin.throughput.workloads import CATEGORIES, TEXT_CATEGORIES
+
+    workload = soak.Workload(soak.SoakConfig(), soak.TARGET)
+    jobs = [workload.next_job() for _ in range(2000)]
+    counts = {name: sum(j.category == name for j in jobs) for name in TEXT_CATEGORIES}
+    assert all(count > 300 for count in counts.values()), counts
+    assert {j.temperature for j in jobs if j.category == "creative"} == set(CATEGORIES["creative"].temperatures)
+    token_windows = [j for j in jobs if isinstance(j.body.get("prompt"), list) and j.repeat_of is None]
+    assert token_windows
+    for j in token_windows:
+        ids = j.body["prompt"]
+        if j.category == "copy":
+            assert any(full[-len(ids):] == ids for full in workload.copies), j.index
+        else:
+            stream = workload.streams[j.category]
+            assert any(stream[i : i + len(ids)] == ids for i in range(len(stream) - len(ids) + 1)), j.index
 
 
 def test_cli_help():

@@ -11,7 +11,8 @@ What it does:
    ``--no-plain``, a plain server (no speculation) of the same target for the greedy comparison.
 2. Drives the plugin server from up to 64 client coroutines whose active number follows a
    schedule between 1 and 64 (a phase every ``--phase-s``): completions and chat, streaming and
-   not, T in {0, 0.7, 1.0}, top-k / top-p, seeded and unseeded, n in 1..4 (n > 1 only at T > 0:
+   not, prompts from the workload library's categories (code, prose, copy, creative; creative
+   at T 1.0 / 1.3, the others at T in {0, 0.7, 1.0}), top-k / top-p, seeded and unseeded, n in 1..4 (n > 1 only at T > 0:
    vLLM refuses n > 1 with greedy sampling), prompts of 1 token to near ``max_model_len``,
    max_tokens from 1, stop strings, and about 10% of streaming clients disconnecting mid-stream.
    The loop stops by itself: once ``--duration-s`` has passed and ``--min-requests`` are done,
@@ -89,7 +90,7 @@ import numpy as np
 
 from vllm_specplugin.paths import demo_model, require_demo_models, runs_dir
 from vllm_specplugin.server import VllmServer, metric_total, parse_prometheus
-from vllm_specplugin.throughput.workloads import heldout_prompts
+from vllm_specplugin.throughput.workloads import CATEGORIES, TEXT_CATEGORIES, category_prompts
 
 DEMO = demo_model("demo")
 TARGET = os.path.join(DEMO, "target")
@@ -189,10 +190,15 @@ class Job:
     seeded: bool
     disconnect_after: int | None = None  # SSE data chunks read before closing; None: read all
     repeat_of: int | None = None
+    category: str = ""  # the workload library's category its prompt came from
 
 
 class Workload:
-    """Seeded random requests over windows of the demo models' held-out code."""
+    """Seeded random requests over the workload library's held-out prompts (throughput/workloads.py):
+    each request draws a category (code, prose, copy, creative) and a window of its prompts'
+    tokens of a random length; a ``copy`` request ends where its prompt does (the passage's own
+    beginning repeated, which the output should go on repeating); a ``creative`` request is
+    sampled at one of that category's temperatures (1.0 / 1.3)."""
 
     def __init__(self, cfg: SoakConfig, model: str):
         from tokenizers import Tokenizer
@@ -201,16 +207,21 @@ class Workload:
         self.model = model
         self.rng = random.Random(cfg.seed)
         self.tokenizer = Tokenizer.from_file(os.path.join(TARGET, "tokenizer.json"))
-        ids: list[int] = []
-        for text in heldout_prompts():
-            ids += self.tokenizer.encode(text, add_special_tokens=False).ids
-        self.corpus = ids
+        encoded = {name: [self.tokenizer.encode(p.text, add_special_tokens=False).ids for p in category_prompts(name)]
+                   for name in TEXT_CATEGORIES}
+        self.copies = encoded["copy"]  # whole prompts: a window keeps their end
+        # The other categories: their prompts' tokens end to end, windows drawn anywhere in them.
+        self.streams = {name: [t for ids in prompts for t in ids] for name, prompts in encoded.items() if name != "copy"}
         self.count = 0
         self.pending_repeats: list[tuple[int, Job]] = []  # (send at index >=, job)
 
-    def window(self, length: int) -> list[int]:
-        start = self.rng.randrange(0, len(self.corpus) - length)
-        return self.corpus[start : start + length]
+    def window(self, category: str, length: int) -> list[int]:
+        """``length`` tokens of ``category`` (a copy prompt's last ``length``, or all of it if shorter)."""
+        if category == "copy":
+            return self.rng.choice(self.copies)[-length:]
+        stream = self.streams[category]
+        start = self.rng.randrange(0, len(stream) - length)
+        return stream[start : start + length]
 
     def prompt_length(self) -> int:
         r = self.rng.random()
@@ -243,7 +254,7 @@ class Workload:
                 del self.pending_repeats[i]
                 body = json.loads(json.dumps(job.body))
                 return Job(index, job.endpoint, body, job.stream, job.max_tokens, job.n, job.stop,
-                           job.temperature, True, None, repeat_of=job.index)
+                           job.temperature, True, None, repeat_of=job.index, category=job.category)
         rng = self.rng
         chat = rng.random() < 0.25
         length = self.prompt_length()
@@ -253,7 +264,11 @@ class Workload:
         else:
             room = self.cfg.max_model_len - length
         max_tokens = self.max_tokens(room)
-        temperature = rng.choice([0.0, 0.0, 0.7, 1.0]) if not self.cfg.short_mix else rng.choice([0.0, 0.7, 1.0])
+        category = rng.choice(TEXT_CATEGORIES)
+        if category == "creative":
+            temperature = rng.choice(CATEGORIES["creative"].temperatures)
+        else:
+            temperature = rng.choice([0.0, 0.0, 0.7, 1.0]) if not self.cfg.short_mix else rng.choice([0.0, 0.7, 1.0])
         body: dict = {"model": self.model, "max_tokens": max_tokens, "temperature": temperature,
                       "return_token_ids": True}
         if rng.random() < 0.5:
@@ -272,7 +287,7 @@ class Workload:
             body["stop"] = stop
         if rng.random() < 0.85:
             body["ignore_eos"] = True
-        ids = self.window(length)
+        ids = self.window(category, length)
         if chat:
             text = self.tokenizer.decode(ids) or "x"
             body["messages"] = [{"role": "user", "content": text}]
@@ -298,7 +313,7 @@ class Workload:
         if stream and rng.random() < self.cfg.disconnect_fraction:
             disconnect = rng.randint(1, max(1, max_tokens // 2))
         job = Job(index, "chat" if chat else "completions", body, stream, max_tokens, n, stop, temperature,
-                  seeded, disconnect)
+                  seeded, disconnect, category=category)
         if seeded and disconnect is None and index % self.cfg.repeat_seeded_every == 0:
             self.pending_repeats.append((index + rng.randint(40, 160), job))
         return job
@@ -965,7 +980,9 @@ def run_soak(cfg: SoakConfig) -> dict:
         jobs_by_index = {j.index: j for j in jobs}
         mix = {
             "chat": sum(j.endpoint == "chat" for j in jobs), "completions": sum(j.endpoint == "completions" for j in jobs),
-            "stream": sum(j.stream for j in jobs), "temperature": {str(t): sum(j.temperature == t for j in jobs) for t in (0.0, 0.7, 1.0)},
+            "stream": sum(j.stream for j in jobs),
+            "temperature": {str(t): sum(j.temperature == t for j in jobs) for t in (0.0, 0.7, 1.0, 1.3)},
+            "category": {name: sum(j.category == name for j in jobs) for name in TEXT_CATEGORIES},
             "seeded": sum(j.seeded for j in jobs), "n_gt_1": sum(j.n > 1 for j in jobs),
             "stop_strings": sum(bool(j.stop) for j in jobs), "top_k": sum("top_k" in j.body for j in jobs),
             "top_p": sum("top_p" in j.body for j in jobs),
