@@ -13,7 +13,12 @@ import pytest
 from vllm_specplugin.throughput.repair_demo import repeat_rate
 from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig, run_offline
 
-pytestmark = pytest.mark.engine
+# In the extended tier (make test-extended) since 5 Dec, to keep make test within its time: what
+# make test needs of it is in the statistical tier, which catches the bug with the repair off
+# (fault (a), custom_class) and finds vLLM's draft_model and the repeat proposer exact with it on
+# (honest_draft_model, honest_plugin_repeat); only the symptom in vLLM's own draft_model with the
+# repair off (the bug is vLLM's, not the plugin's) is shown here alone.
+pytestmark = [pytest.mark.engine, pytest.mark.extended]
 
 PROMPT = [5, 9, 17, 33, 65]
 SAMPLING = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, max_tokens=16, n=256, seed=0)
