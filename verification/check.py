@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from vllm_specplugin import stats
 from vllm_specplugin.fault_switch import switch_env
+from vllm_specplugin.verification.reports import VerdictReport
 from vllm_specplugin.verification.drivers import EngineRun, GenerationTask, SamplingConfig, run_http, run_offline
 from vllm_specplugin.verification.algorithm import SAMPLING_EPS, speculative_token_law
 from vllm_specplugin.verification.reference import (GREEDY_TIE_TOLERANCE, BatchLaw, Prefix,
@@ -76,7 +77,7 @@ class CaseReport:
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckReport:
+class CheckReport(VerdictReport):
     model: str
     speculative_config: dict | None
     additional_config: dict | None
@@ -90,19 +91,6 @@ class CheckReport:
     wall_s: float
     family_size: int = 0  # hypotheses in the family alpha is spent over (0: this report's cases)
     engine_options: dict | None = None  # more vllm.LLM arguments of the engine (e.g. enforce_eager)
-
-    @property
-    def passed(self) -> bool:
-        return not any(case.rejected for case in self.cases)
-
-    @property
-    def verdict(self) -> str:
-        return "PASS" if self.passed else "FAIL"
-
-    def to_json(self) -> str:
-        data = dataclasses.asdict(self)
-        data["verdict"] = self.verdict
-        return json.dumps(data, indent=2, default=float)
 
     def format_table(self) -> str:
         head = (

@@ -44,6 +44,7 @@ from vllm_specplugin.stats.multitest import holm
 from vllm_specplugin.stats.power import chain_power
 from vllm_specplugin.stats.two_sample import (two_sample_chain_test, two_sample_df_bound, two_sample_power_for_tv,
                                               two_sample_size_for_tv)
+from vllm_specplugin.verification.reports import VerdictReport
 from vllm_specplugin.verification.drivers import EngineRun, GenerationTask, SamplingConfig, TaskResult, request_seed
 
 Driver = Callable[[list[GenerationTask]], EngineRun]
@@ -129,7 +130,7 @@ class TwoSampleCase:
 
 
 @dataclasses.dataclass(frozen=True)
-class TwoSampleReport:
+class TwoSampleReport(VerdictReport):
     mode: str  # "endpoints" or "engines (<driver>)"
     spec: str  # what the speculative side was
     plain: str
@@ -148,19 +149,6 @@ class TwoSampleReport:
     plain_startup_s: float
     wall_s: float
     warnings: tuple[str, ...] = ()
-
-    @property
-    def passed(self) -> bool:
-        return not any(c.rejected for c in self.cases)
-
-    @property
-    def verdict(self) -> str:
-        return "PASS" if self.passed else "FAIL"
-
-    def to_json(self) -> str:
-        data = dataclasses.asdict(self)
-        data["verdict"] = self.verdict
-        return json.dumps(data, indent=2, default=float)
 
     def _rows(self) -> list[list[str]]:
         rows = []
