@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup test test-fast test-extended demo demo-repair models heads bench bench-compare bench-history soak docs clean
+.PHONY: setup test test-fast test-extended demo demo-repair models heads bench bench-compare bench-history soak docs clean arctic
 
 setup:
 	@bash ci/setup_venv.sh
@@ -28,6 +28,12 @@ demo-repair: setup
 bench: setup
 	@source ci/env.sh && $(PY) -m pytest tests/benchmarks -q -s -p no:cacheprovider \
 		--benchmark-autosave --benchmark-storage=file://runs/benchmarks --benchmark-columns=min,rounds $(BENCH_ARGS)
+
+# vLLM's `suffix` method (arctic-inference, built from its sdist into runs/arctic-site, not into
+# the venv), for the single-drafter baseline: then (source ci/env.sh) PYTHONPATH=runs/arctic-site
+# BENCH_ROUNDS=3 .venv/bin/python -m pytest tests/benchmarks/test_bench_baseline.py -s
+arctic: setup
+	@bash ci/build_arctic_inference.sh
 
 # Speedups of the last saved run against the one before (fails on a drop beyond 15%).
 bench-compare: setup

@@ -14,8 +14,9 @@ at its category's temperature) in setting 0 (T = 0 but creative) and setting 1 (
 1.3). Best of ``BENCH_ROUNDS`` (3) rounds; α by position, mean accepted length, c and r beside
 every figure (runs/bench/baseline_single_drafter-*.md / .json).
 
-Run: ``BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_baseline.py -s -p no:cacheprovider``
-(14 servers: about 40 minutes on a 2-core CPU; 4 prompts per category so that it fits a session). This is the table issue 31's strategies must beat
+Run: ``make arctic`` (once: builds arctic-inference for vLLM's ``suffix`` into runs/arctic-site), then
+``PYTHONPATH=runs/arctic-site BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_baseline.py -s -p no:cacheprovider``
+(15 servers: 29 minutes on a quiet 2-core CPU; 4 prompts per category so that it fits a session). This is the table issue 31's strategies must beat
 (docs/benchmarks.md, "The single-drafter baseline").
 """
 
