@@ -7,7 +7,11 @@ the Python standard library's source.  Rebuild with ``python -m models.build``
 
 from pathlib import Path
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
+from vllm_specplugin.paths import demo_model
+
+# In a checkout its models/demo; from a wheel $SPECPLUGIN_MODELS_DIR/demo or ./models/demo
+# (vllm_specplugin/paths.py): never inside the installed package.
+DEMO_DIR = Path(demo_model("demo"))
 TARGET = "target"
 DRAFTS = ("draft-small", "draft-distill", "draft-tiny")
 ALL = (TARGET, *DRAFTS)

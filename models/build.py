@@ -344,9 +344,9 @@ def main(argv=None) -> int:
         # with the target (the drafts do not depend on it).
         children = []
         for name in (n for n in DRAFTS if specs[n].objective == "ce"):
-            cmd = [sys.executable, "-m", "models.build", "--worker", name, "--work", str(work),
+            cmd = [sys.executable, "-m", "vllm_specplugin.models.build", "--worker", name, "--work", str(work),
                    "--out", str(out), "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
-            children.append(subprocess.Popen(cmd, cwd=str(Path(__file__).resolve().parent.parent)))
+            children.append(subprocess.Popen(cmd))
         train_and_save([TARGET], specs, work, out)
         walls["target"] = round(time.time() - t, 1)
         for child in children:

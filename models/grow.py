@@ -46,13 +46,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from vllm_specplugin.paths import runs_dir
+
 from . import DEMO_DIR, TARGET
 from . import corpus as corpus_mod
 from . import measure as M
 from . import tokenizer as tok_mod
 
 MB_DIR = DEMO_DIR.parent / "demo-mb"
-DEFAULT_WORK = Path(__file__).resolve().parent.parent / "runs" / "grow-work"
+DEFAULT_WORK = Path(runs_dir("grow-work"))
 
 WIDTH_FACTOR = 2
 DEPTH_FACTOR = 2

@@ -52,10 +52,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from vllm_specplugin.paths import CHECKOUT_ROOT, runs_dir
+
 from . import measure as M
 from . import tokenizer as tok_mod
 
-DEFAULT_WORK = Path(__file__).resolve().parent.parent / "runs" / "heads-work"
+DEFAULT_WORK = Path(runs_dir("heads-work"))
+
+
+def _names_root() -> Path:
+    """What the cards' model paths are relative to: the checkout (else the current directory)."""
+    return Path(CHECKOUT_ROOT) if CHECKOUT_ROOT else Path.cwd()
+
+
 HEAD_DECAY = 0.8  # Medusa's per-head loss weight lambda_j = 0.8^j
 CARD_FILE = "heads_card.json"
 
@@ -402,7 +411,7 @@ def append_card(card_dir: Path, card: dict, target_name: str, heads_name: str) -
 def restore_sections(card_dir: Path) -> None:
     """Re-append the section of every heads checkpoint in ``card_dir`` (``*/heads_card.json``) after the
     family's card was rewritten (models/build.py and models/grow.py call this last)."""
-    root = Path(__file__).resolve().parent.parent
+    root = _names_root()
     for path in sorted(Path(card_dir).glob(f"*/{CARD_FILE}")):
         target = json.loads((path.parent / "config.json").read_text())["specplugin"]["target"]
         heads_dir = path.parent.resolve()
@@ -445,7 +454,7 @@ def write_card(args, card: dict) -> None:
     """``heads_card.json`` in ``--out`` and, with ``--card``, the family card's section."""
     (args.out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
     if args.card:
-        root = Path(__file__).resolve().parent.parent
+        root = _names_root()
         rel = lambda p: str(p.resolve().relative_to(root)) if p.resolve().is_relative_to(root) else str(p)
         append_card(args.card, card, rel(args.target), rel(args.out))
 

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_specplugin.paths import runs_dir
+
 from . import DEMO_DIR, TARGET
 from . import corpus as corpus_mod
 from . import measure as M
@@ -45,7 +47,7 @@ from . import tokenizer as tok_mod
 
 MB_DIR = DEMO_DIR.parent / "demo-mb"
 MIX_DIR = DEMO_DIR.parent / "demo-mix"
-DEFAULT_WORK = Path.cwd() / "runs" / "mix-work"
+DEFAULT_WORK = Path(runs_dir("mix-work"))
 DOMAINS = ("code", "prose")
 SEQ = 256
 

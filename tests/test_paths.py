@@ -87,3 +87,27 @@ def test_server_refuses_a_missing_demo_model_before_starting(tmp_path, monkeypat
                                log_path=str(tmp_path / "log")):
             pass
     assert not seen  # no process started
+
+
+# Packages installed with the wheel whose modules must not place data beside their own file (in a
+# wheel that is site-packages): demo models come from paths.models_dir(), outputs from runs_dir().
+INSTALLED_PACKAGES = ("vllm_specplugin", "models", "proposers", "stats", "verification", "throughput")
+
+
+def test_no_installed_module_derives_a_data_path_from_its_own_file():
+    """Only paths.py may look at its own location (to find a checkout); a module that builds a
+    data or output path from ``__file__`` writes into site-packages when installed from a wheel.
+    Read-only files shipped inside the package (e.g. throughput's prompt files, package data in
+    pyproject.toml) are allowed where the path stays inside the package folder."""
+    # package data: the prompt files, and the folder transformers loads custom_generate code from
+    shipped = {"throughput/workloads.py", "proposers/hf_generate.py"}
+    offenders = []
+    for package in INSTALLED_PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = str(path.relative_to(REPO))
+            if rel == "vllm_specplugin/paths.py" or rel in shipped:
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if "__file__" in line and not line.lstrip().startswith("#"):
+                    offenders.append(f"{rel}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
