@@ -84,8 +84,9 @@ class ChainResult:
         return self.df == 0
 
 
-def _candidate_nodes(samples: np.ndarray, depth: int):
-    """Yield ``(n, t, prefix, next_tokens)`` for every prefix of the samples.
+def prefix_groups(samples: np.ndarray, depth: int):
+    """``[(n, t, prefix, rows)]`` for every distinct prefix of length t < depth of the rows of
+    ``samples`` (``(N, m)`` int64): n rows share it, ``rows`` their indices.
 
     Group ids are refined one position at a time; ``np.unique`` on
     (parent id, token) keys keeps groups in lexicographic prefix order.
@@ -104,8 +105,13 @@ def _candidate_nodes(samples: np.ndarray, depth: int):
         for g in np.nonzero(sizes)[0]:
             idx = order[starts[g]:starts[g] + sizes[g]]
             prefix = tuple(int(x) for x in samples[idx[0], :t])
-            out.append((int(sizes[g]), t, prefix, samples[idx, t]))
+            out.append((int(sizes[g]), t, prefix, idx))
     return out
+
+
+def _candidate_nodes(samples: np.ndarray, depth: int):
+    """``(n, t, prefix, next_tokens)`` for every prefix of the samples (:func:`prefix_groups`)."""
+    return [(n, t, prefix, samples[rows, t]) for n, t, prefix, rows in prefix_groups(samples, depth)]
 
 
 def _global(stats_, dfs, impossible):

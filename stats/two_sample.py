@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from scipy import stats as _st
 
+from .chain import prefix_groups
 from .multitest import holm
 from .power import chain_power, sample_size_for_tv
 
@@ -126,16 +127,6 @@ def _table_statistic(table: np.ndarray, method: str) -> float:
     return float(np.sum((table - expected) ** 2 / expected))
 
 
-def _node_groups(both: np.ndarray, depth: int):
-    """(t, group id per row) for every position t < depth; groups = distinct prefixes of length t."""
-    for t in range(depth):
-        if t == 0:
-            yield t, np.zeros(both.shape[0], dtype=np.int64)
-        else:
-            _, gid = np.unique(both[:, :t], axis=0, return_inverse=True)
-            yield t, gid.ravel()
-
-
 def two_sample_chain_test(samples_a, samples_b, method: str = "pearson", *, min_expected: float = 5.0,
                           min_node_samples: int = 10, max_nodes: int | None = None,
                           max_bins: int | None = None, max_depth: int | None = None) -> TwoSampleChainResult:
@@ -161,16 +152,8 @@ def two_sample_chain_test(samples_a, samples_b, method: str = "pearson", *, min_
     both = np.concatenate([a, b]).astype(np.int64)
     in_a = np.arange(both.shape[0]) < a.shape[0]
     vocab = int(both.max()) + 1
-    candidates = []
-    for t, gid in _node_groups(both, depth):
-        order = np.argsort(gid, kind="stable")
-        sizes = np.bincount(gid)
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        for g in np.nonzero(sizes)[0]:
-            idx = order[starts[g]:starts[g] + sizes[g]]
-            prefix = tuple(int(x) for x in both[idx[0], :t])
-            ta, tb = both[idx[in_a[idx]], t], both[idx[~in_a[idx]], t]
-            candidates.append((int(sizes[g]), t, prefix, ta, tb))
+    candidates = [(n, t, prefix, both[rows[in_a[rows]], t], both[rows[~in_a[rows]], t])
+                  for n, t, prefix, rows in prefix_groups(both, depth)]
     candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
     nodes, left = [], max_nodes
     nan = float("nan")
