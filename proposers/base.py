@@ -43,6 +43,9 @@ class DraftRequest:
     # The verifier can check a token tree for this request (tree verification on, and the request
     # needs no chain-only feature); otherwise drafts must be chains.
     tree_ok: bool = False
+    # The request has its own seed: its text must then depend only on its own history (a drafter
+    # may not let other requests or timings change what it drafts for it at temperature > 0).
+    seeded: bool = False
 
 
 class Proposer(abc.ABC):

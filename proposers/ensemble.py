@@ -131,7 +131,11 @@ class EnsembleProposer(Proposer):
         self.metrics = DraftMetrics(self.names)
         self._pending: dict[str, _Pending] = {}
         self._last_call: tuple[float, set[str]] | None = None
+        # Seeded requests draft with the weights before any evidence: adapted weights come from
+        # every request's outcomes, and a seeded request's text may depend only on its own history.
+        self._seeded: set[str] = set()
         self._update_weights()
+        self.fixed_weights = self._weights.clone()
 
     @property
     def weights(self) -> torch.Tensor:
@@ -139,6 +143,7 @@ class EnsembleProposer(Proposer):
 
     def free(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
+        self._seeded.discard(request_id)
         for rt in self.runtimes:
             rt.free(request_id)  # also what set_resident_bytes counted for it
 
@@ -159,7 +164,8 @@ class EnsembleProposer(Proposer):
         """:meth:`branch_distributions` for several requests (each at most once) in one forward per
         draft: ``items`` are (request id, context, paths); returns one [len(paths), V] per item."""
         items = [(rid, list(context), paths) for rid, context, paths in items]
-        mixture = self._mixture(lambda rt: DraftBatch.branches_of(rt, items))
+        row_ids = [rid for rid, _, paths in items for _ in paths]
+        mixture = self._mixture(lambda rt: DraftBatch.branches_of(rt, items), row_ids)
         return list(mixture.split([len(paths) for _, _, paths in items]))
 
     @torch.no_grad()
@@ -170,14 +176,27 @@ class EnsembleProposer(Proposer):
     @torch.no_grad()
     def root_distributions(self, request_ids: Sequence[str], contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """:meth:`root_distribution` for several requests in one forward per draft: [len(ids), V]."""
-        return self._mixture(lambda rt: rt.open_batch(list(request_ids), [list(c) for c in contexts]))
+        return self._mixture(lambda rt: rt.open_batch(list(request_ids), [list(c) for c in contexts]), request_ids)
 
-    def _mixture(self, open_batch) -> torch.Tensor:
-        """Σ_d w_d softmax(logits_d) over the batch each runtime opens with ``open_batch``."""
+    def row_weights(self, request_ids: Sequence[str]) -> torch.Tensor:
+        """The mixture weights of each row's request: [len(request_ids), D] float32 (CPU). The
+        adapted weights, but :attr:`fixed_weights` for a seeded request."""
+        weights = self._weights.expand(len(request_ids), -1).clone()
+        if self.adapt_weights and self._seeded:
+            for row, rid in enumerate(request_ids):
+                if rid in self._seeded:
+                    weights[row] = self.fixed_weights
+        return weights
+
+    def _mixture(self, open_batch, request_ids: Sequence[str]) -> torch.Tensor:
+        """Σ_d w_d softmax(logits_d) over the batch each runtime opens with ``open_batch``, whose
+        rows are ``request_ids``' (weights per row: :meth:`row_weights`)."""
         mixture = None
-        for weight, rt in zip(self._weights.tolist(), self.runtimes):
+        weights = self.row_weights(request_ids)
+        for d, rt in enumerate(self.runtimes):
             batch = open_batch(rt)
-            part = weight * batch.logits.float().softmax(-1)
+            probs = batch.logits.float().softmax(-1)
+            part = weights[:, d : d + 1].to(probs.device) * probs
             batch.close()
             mixture = part if mixture is None else mixture + part
         return mixture
@@ -211,7 +230,7 @@ class EnsembleProposer(Proposer):
         contexts = [list(request.context) for _, request, _ in active]
         gammas = [gamma for _, _, gamma in active]
         batches = [rt.open_batch(ids, contexts) for rt in self.runtimes]
-        weights = self._weights.to(batches[0].logits.device)
+        weights = self.row_weights(ids).to(batches[0].logits.device)  # [B, D]
         tokens: list[list[int]] = [[] for _ in active]
         rows: list[list[torch.Tensor]] = [[] for _ in active]
         top_tokens = [[[] for _ in self.runtimes] for _ in active]
@@ -220,7 +239,7 @@ class EnsembleProposer(Proposer):
         logits = [batch.logits for batch in batches]  # per draft [len(live), V] float32
         for step in range(max(gammas)):
             per_draft = torch.stack([part.softmax(-1) for part in logits])  # [D, len(live), V]
-            mixture = torch.einsum("d,dbv->bv", weights, per_draft)
+            mixture = torch.einsum("bd,dbv->bv", weights[live], per_draft)
             q = processed_probs_rows(mixture.log(), [active[r][1].params for r in live])
             chosen = self._choose(q, [active[r][1] for r in live])
             own_top = per_draft.argmax(-1).T.tolist()  # [len(live), D]
@@ -329,6 +348,7 @@ class EnsembleProposer(Proposer):
         """Count the time since the previous call as step time when a request spans both calls
         (the engine was busy stepping it; an idle gap has no request in common)."""
         ids = {request.request_id for request in requests}
+        self._seeded.update(request.request_id for request in requests if request.seeded)
         if self._last_call is not None and self._last_call[1] & ids:
             self.metrics.step_time_s += now - self._last_call[0]
             self.metrics.timed_steps += 1

@@ -356,7 +356,9 @@ class AdaptiveGamma(Proposer):
     def _observe(self, request: DraftRequest) -> None:
         state = self._states.get(request.request_id)
         if state is None:
-            self._states[request.request_id] = _RequestState(gamma=request.gamma, alpha=self.population_alpha)
+            # A seeded request starts from the fixed initial_alpha: its text may depend only on its own history.
+            start = self.policy.initial_alpha if request.seeded else self.population_alpha
+            self._states[request.request_id] = _RequestState(gamma=request.gamma, alpha=start)
             return
         if state.pending is None:
             return

@@ -32,6 +32,13 @@ class DraftMetrics:
     tracked_requests: int = 0  # requests whose draft state is held right now
     backoff_steps: int = 0  # steps in which adaptive γ drafted nothing because the batch was large
     gamma_chosen: dict[int, int] = field(default_factory=dict)  # adaptive γ: requests x steps per γ
+    # Drafter choice (proposers/choice.py): requests x steps drafted by the suffix drafter, by the
+    # model proposer, by nothing; and the suffix drafts' tokens and accepted tokens.
+    choice_suffix_steps: int = 0
+    choice_model_steps: int = 0
+    choice_none_steps: int = 0
+    suffix_drafted_tokens: int = 0
+    suffix_accepted_tokens: int = 0
     tokens_forwarded: int = 0  # real tokens run through the draft models (all drafts together)
     prefix_hit_tokens: int = 0  # tokens whose draft KV came from the shared prefix tree
     # Tree drafting: trees built, and the expected accepted length (under the draft) of the path
@@ -104,6 +111,11 @@ class DraftMetrics:
             "tracked_requests": self.tracked_requests,
             "backoff_steps": self.backoff_steps,
             "gamma_chosen": {str(k): v for k, v in sorted(self.gamma_chosen.items())},
+            "choice_suffix_steps": self.choice_suffix_steps,
+            "choice_model_steps": self.choice_model_steps,
+            "choice_none_steps": self.choice_none_steps,
+            "suffix_drafted_tokens": self.suffix_drafted_tokens,
+            "suffix_accepted_tokens": self.suffix_accepted_tokens,
             "tokens_forwarded": self.tokens_forwarded,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "trees": self.trees,

@@ -66,6 +66,16 @@ def test_adaptive_gamma_probe_and_initial_alpha_keys():
     assert weighted.population_weight == 0.2
 
 
+def test_suffix_drafting_config():
+    assert SpecPluginConfig.from_dict({}).drafter_choice() is None
+    settings, policy = SpecPluginConfig.from_dict({"suffix_drafting": True}).drafter_choice()
+    assert settings.min_match == 2 and policy.draft_cost == 0.12
+    settings, policy = SpecPluginConfig.from_dict(
+        {"suffix_drafting": {"min_match": 3, "corpus_requests": 0, "draft_cost": 0.3, "probe_every": 4}}
+    ).drafter_choice()
+    assert (settings.min_match, settings.corpus_requests, policy.draft_cost, policy.probe_every) == (3, 0, 0.3, 4)
+
+
 def test_json_string_is_accepted():
     config = SpecPluginConfig.from_additional_config('{"specplugin": {"cpu_sampler_repair": "on"}}')
     assert config.cpu_sampler_repair == "on"
@@ -125,6 +135,18 @@ MALFORMED = [
      "tree_drafting.confidence"),
     ("tree calibration weight negative",
      {"specplugin": {"tree_drafting": {"shape": "dynamic", "calibration_weight": -1}}}, "tree_drafting.calibration_weight"),
+    ("suffix drafting not an object", {"specplugin": {"suffix_drafting": 3}}, "suffix_drafting"),
+    ("suffix drafting unknown key", {"specplugin": {"suffix_drafting": {"depth": 3}}}, "suffix_drafting.depth"),
+    ("suffix drafting float match", {"specplugin": {"suffix_drafting": {"min_match": 1.5}}}, "suffix_drafting.min_match"),
+    ("suffix drafting cost string", {"specplugin": {"suffix_drafting": {"draft_cost": "0.1"}}},
+     "suffix_drafting.draft_cost"),
+    ("suffix drafting matches crossed", {"specplugin": {"suffix_drafting": {"min_match": 5, "max_match": 3}}},
+     "suffix_drafting"),
+    ("suffix drafting prior above one", {"specplugin": {"suffix_drafting": {"suffix_prior": 1.5}}}, "suffix_drafting"),
+    ("suffix drafting with adaptive gamma", {"specplugin": {"suffix_drafting": True, "adaptive_gamma": True}},
+     "suffix_drafting"),
+    ("suffix drafting with tree drafting", {"specplugin": {"suffix_drafting": {}, "tree_drafting": True}},
+     "suffix_drafting"),
     ("draft fast path not a bool", {"specplugin": {"draft_fast_path": "yes"}}, "draft_fast_path"),
     ("draft-free sampler unknown", {"specplugin": {"draft_free_sampler": "fast"}}, "draft_free_sampler"),
     ("invalid JSON string", "{specplugin: ", "additional_config"),

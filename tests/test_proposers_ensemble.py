@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -137,6 +138,30 @@ def test_adaptive_weights_follow_the_draft_that_agrees():
     weights = proposer.metrics.weights
     assert weights["draft-distill"] > 0.6 > weights["draft-tiny"]
     assert proposer.tracked_request_ids() == set()
+
+
+def test_a_seeded_request_drafts_with_the_weights_before_any_evidence():
+    """Adapted weights come from every request's outcomes; a seeded request's text may depend
+    only on its own history, so it drafts with the prior weights, in a batch with others too."""
+    good, bad = runtime("draft-distill"), runtime("draft-tiny")
+    oracle = runtime("draft-distill")
+    proposer = EnsembleProposer([good, bad], adapt_weights=True)
+    for i in range(12):  # other traffic moves the adapted weights
+        ctx = context(15, seed=100 + i)
+        proposer.propose([DraftRequest(f"w{i}", ctx, 3)])
+        truth = oracle.draft(f"w{i}", ctx, 3, GREEDY).token_ids
+        proposer.propose([DraftRequest(f"w{i}", ctx + truth + [5], 3)])
+        proposer.free(f"w{i}")
+    assert proposer.weights[0] > 0.6
+    sampled = SamplingParams(temperature=1.0)
+    seeded = DraftRequest("s", context(12, seed=7), 3, sampled, torch.Generator().manual_seed(3), seeded=True)
+    unseeded = DraftRequest("u", context(12, seed=7), 3, sampled, torch.Generator().manual_seed(3))
+    moved = proposer.propose([unseeded, seeded])
+    fresh = EnsembleProposer([runtime("draft-distill"), runtime("draft-tiny")], adapt_weights=True)
+    (alone,) = fresh.propose([dataclasses.replace(seeded, generator=torch.Generator().manual_seed(3))])
+    assert moved[1].token_ids == alone.token_ids
+    torch.testing.assert_close(moved[1].probs, alone.probs)
+    assert not torch.allclose(moved[0].probs, alone.probs)  # the unseeded row used the adapted weights
 
 
 def test_ensemble_rejects_bad_inputs():

@@ -525,3 +525,15 @@ def test_cost_model_measures_the_verification_cost_at_a_constant_gamma():
     # seed 5: γ <= 1 in 100% of request-steps 200-400 (0 in 87.5%, the probes' 1 in the rest);
     # without the slope probe the slope is never measured and γ = 6 in all of them.
     assert np.mean(late <= 1) >= 0.9, np.bincount(late)
+
+
+def test_a_seeded_request_starts_from_the_fixed_initial_alpha(runtime):
+    """The population's α comes from other requests; a seeded request starts from initial_alpha."""
+    proposer = AdaptiveGamma(EnsembleProposer([runtime]), GammaPolicy(initial_alpha=0.7))
+    contexts = {"other": np.random.default_rng(5).integers(3, 4096, 20).tolist()}
+    for _ in range(6):
+        step(proposer, contexts, 4, accept=False)
+    assert proposer.population_alpha < 0.6
+    proposer.propose([DraftRequest("seeded", [5, 6, 7], 4, seeded=True), DraftRequest("unseeded", [5, 6, 7], 4)])
+    assert proposer._states["seeded"].alpha == 0.7
+    assert proposer._states["unseeded"].alpha == proposer.population_alpha

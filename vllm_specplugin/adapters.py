@@ -110,7 +110,9 @@ class MultiDraftProposer(CustomClassAdapter):
 
         from vllm_specplugin.proposers.draft_runtime import DraftRuntime
         from vllm_specplugin.proposers.ensemble import EnsembleProposer
+        from vllm_specplugin.proposers.choice import DrafterChoice
         from vllm_specplugin.proposers.gamma import AdaptiveGamma
+        from vllm_specplugin.proposers.suffix import SuffixDrafter
         from vllm_specplugin.proposers.tree import TreeProposer
         from vllm_specplugin.config import SpecPluginConfigError
         from vllm_specplugin.draft_kernels import draft_kernels, draft_out_kernels
@@ -156,6 +158,10 @@ class MultiDraftProposer(CustomClassAdapter):
             proposer = TreeProposer(ensemble, **self.config.tree_drafting)
         if self.gamma_policy is not None:
             proposer = AdaptiveGamma(proposer, self.gamma_policy)
+        choice = self.config.drafter_choice()
+        if choice is not None:
+            suffix_settings, choice_policy = choice
+            proposer = DrafterChoice(proposer, SuffixDrafter(proposer.vocab_size, suffix_settings), choice_policy)
         if proposer.vocab_size > self.target_vocab_size:
             raise SpecPluginConfigError(
                 "drafts", f"the drafts' vocabulary ({proposer.vocab_size}) is larger than the target's "
@@ -205,7 +211,8 @@ class MultiDraftProposer(CustomClassAdapter):
             label, list(self.config.drafts), [round(w, 3) for w in ensemble.weights.tolist()],
             self.num_speculative_tokens,
             "fixed gamma" if self.gamma_policy is None else f"adaptive gamma {self.gamma_policy}",
-            "chain drafting" if self.config.tree_drafting is None else f"tree drafting {self.config.tree_drafting}",
+            ("chain drafting" if self.config.tree_drafting is None else f"tree drafting {self.config.tree_drafting}")
+            + ("" if choice is None else f", suffix drafting with drafter choice {self.config.suffix_drafting}"),
             "on" if self.config.prefix_sharing else "off",
             self.config.draft_dtype, "vLLM's CPU kernels (oneDNN products)" if kernels else "torch's",
             self.config.draft_memory_budget_mb,
@@ -289,7 +296,7 @@ class MultiDraftProposer(CustomClassAdapter):
                 rid = view.req_ids[row]
                 tree_ok = bool(view.tree_ok[row]) if row < len(view.tree_ok) else False
                 requests.append(DraftRequest(rid, context, room, view.params[row], self._generator(rid, view.seeds[row]),
-                                             tree_ok=tree_ok))
+                                             tree_ok=tree_ok, seeded=view.seeds[row] is not None))
             step_ids.append(rid)
             rows.append(row)
         drafts = self.proposer.propose(requests)

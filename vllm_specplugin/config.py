@@ -103,6 +103,16 @@ class SpecPluginConfig:
     # (the draft's mean predicted acceptance over the same steps, list) and calibration_weight (4:
     # pseudo-observations of alpha against a request's own measurements).
     tree_drafting: dict | None = None
+    # Suffix drafting and the drafter choice (proposers/suffix.py, proposers/choice.py): null, or
+    # true / an object. Per request and step the plugin then drafts with the zero-cost suffix
+    # drafter (the context's longest earlier-seen suffix, continued; one-hot q), with the draft
+    # models at some γ <= num_speculative_tokens, or not at all, whichever has the highest expected
+    # tokens per unit of step time from the request's measured acceptance. Keys: the matcher's
+    # max_match (16), min_match (2), max_occurrences (64), min_token_prob (0.1), corpus_requests
+    # (32: finished requests matched too; 0: own context only); the choice's draft_cost (c, 0.12),
+    # verify_cost (v, 0.07), ema_weight (0.3), suffix_prior (0.5), model_prior (0.6),
+    # population_weight (0.05), probe_every (8). Not with adaptive_gamma or tree_drafting.
+    suffix_drafting: dict | None = None
     # Share draft KV across requests with a common token prefix (a radix tree of token blocks).
     prefix_sharing: bool = False
     prefix_block_size: int = 16
@@ -120,6 +130,17 @@ class SpecPluginConfig:
     def tree_verify(self) -> str:
         """How tree drafts are verified: "tree" (whole tree, lossless) or "chain" (one path)."""
         return (self.tree_drafting or {}).get("verify", "chain")
+
+    def drafter_choice(self):
+        """(SuffixSettings, ChoicePolicy) of suffix drafting, or None when it is off."""
+        from vllm_specplugin.proposers.choice import ChoicePolicy
+        from vllm_specplugin.proposers.suffix import SuffixSettings
+
+        if self.suffix_drafting is None:
+            return None
+        suffix_keys = {f.name for f in dataclasses.fields(SuffixSettings)}
+        return (SuffixSettings(**{k: v for k, v in self.suffix_drafting.items() if k in suffix_keys}),
+                ChoicePolicy(**{k: v for k, v in self.suffix_drafting.items() if k not in suffix_keys}))
 
     def gamma_policy(self):
         """The validated adaptive-γ policy, or None for a fixed γ."""
@@ -187,6 +208,14 @@ class SpecPluginConfig:
                 raise SpecPluginConfigError(
                     "tree_drafting.verify", "'tree' does not combine with adaptive_gamma (set one of them)"
                 )
+        if raw.get("suffix_drafting") is not None:
+            values["suffix_drafting"] = _suffix_drafting(raw["suffix_drafting"])
+            for other in ("adaptive_gamma", "tree_drafting"):
+                if raw.get(other) is not None:
+                    # Both choose γ per request: two controllers would fight over it.
+                    raise SpecPluginConfigError(
+                        "suffix_drafting", f"does not combine with {other} (its drafter choice sets γ itself; set one of them)"
+                    )
         if "prefix_block_size" in raw:
             values["prefix_block_size"] = _positive_int(raw, "prefix_block_size")
         if raw.get("acceptance") is not None:
@@ -252,6 +281,43 @@ def _gamma_policy(value: Any) -> dict:
         GammaPolicy(**out)
     except ValueError as exc:
         raise SpecPluginConfigError("adaptive_gamma", str(exc)) from None
+    return out
+
+
+_SUFFIX_INT_FIELDS = ("max_match", "min_match", "max_occurrences", "corpus_requests", "probe_every")
+_SUFFIX_FLOAT_FIELDS = ("min_token_prob", "draft_cost", "verify_cost", "ema_weight", "suffix_prior", "model_prior",
+                        "population_weight")
+
+
+def _suffix_drafting(value: Any) -> dict:
+    from vllm_specplugin.proposers.choice import ChoicePolicy
+    from vllm_specplugin.proposers.suffix import SuffixSettings
+
+    if value is True:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise SpecPluginConfigError("suffix_drafting", f"expected an object (or true, or null), got {value!r}")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        field = f"suffix_drafting.{key}"
+        if key in _SUFFIX_INT_FIELDS:
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise SpecPluginConfigError(field, f"expected an integer, got {item!r}")
+        elif key in _SUFFIX_FLOAT_FIELDS:
+            if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item):
+                raise SpecPluginConfigError(field, f"expected a finite number, got {item!r}")
+            item = float(item)
+        else:
+            raise SpecPluginConfigError(
+                field, f"unknown key; known keys are {', '.join(_SUFFIX_INT_FIELDS + _SUFFIX_FLOAT_FIELDS)}"
+            )
+        out[key] = item
+    suffix_keys = {f.name for f in dataclasses.fields(SuffixSettings)}
+    for keys, kind in ((suffix_keys, SuffixSettings), (set(out) - suffix_keys, ChoicePolicy)):
+        try:
+            kind(**{k: v for k, v in out.items() if k in keys})
+        except ValueError as exc:
+            raise SpecPluginConfigError("suffix_drafting", str(exc)) from None
     return out
 
 

@@ -182,6 +182,8 @@ class SnapshotCollector:
             ("tree_chain_fallbacks", "Requests x steps drafted as a chain because they need a chain-only feature."),
             ("draft_failures", "Steps whose drafting raised; each decoded without drafts (no token lost)."),
             ("nonfinite_draft_rows", "Drafts dropped because their q was NaN, infinite, negative or not normalised."),
+            ("suffix_drafted_tokens", "Draft tokens proposed by the suffix drafter and verified (drafter choice)."),
+            ("suffix_accepted_tokens", "Suffix-drafter tokens the target accepted (drafter choice)."),
             ("draft_cache_evictions", "Per-request draft KV caches evicted by draft_memory_budget_mb (each re-prefills)."),
         ]:
             family = CounterMetricFamily(f"specplugin:{key}", doc)
@@ -215,6 +217,13 @@ class SnapshotCollector:
         for gamma, count in sorted(gammas.items(), key=lambda item: int(item[0])):
             chosen.add_metric([gamma], count)
         yield chosen
+        drafters = CounterMetricFamily(
+            "specplugin:drafter_chosen", "Drafter choice: requests x steps drafted by this drafter (suffix, model, none).",
+            labels=["drafter"],
+        )
+        for drafter in ("suffix", "model", "none"):
+            drafters.add_metric([drafter], total(f"choice_{drafter}_steps"))
+        yield drafters
         agreement = CounterMetricFamily(
             "specplugin:draft_agreement", "Verified positions where this draft's top token was the target's token.",
             labels=["draft"],

@@ -93,6 +93,7 @@ it is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -123,6 +124,8 @@ DRAFT_VOCAB = 500
 MEDUSA_TEMPERATURES = (0.0, 0.7, 1.0)  # vLLM's method "medusa" (greedy drafts, one-hot verification)
 # vLLM's draft_model with rejection_sample_method "block" (vllm_specplugin/rejection_methods.py)
 BLOCK_TEMPERATURES = (0.0, 0.7, 1.0)
+# Suffix drafting with the drafter choice (proposers/suffix.py, proposers/choice.py): unseeded at T > 0
+SUFFIX_CHOICE_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
 # The hypotheses of the suite: test -> its cases. SUITE_HYPOTHESES is derived from it, and the
 # module's last check verifies that every test that ran recorded exactly its cases here.
 SUITE = {
@@ -150,9 +153,10 @@ SUITE = {
     "fault_j_medusa_expand_bug": 1,
     "honest_eagle": len(MEDUSA_TEMPERATURES),
     "honest_block_draft_model": len(BLOCK_TEMPERATURES),
+    "honest_suffix_choice": len(SUFFIX_CHOICE_TEMPERATURES),
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 50
+SUITE_HYPOTHESES = sum(SUITE.values())  # 54
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -231,6 +235,7 @@ def planned_power(reference, config: SamplingConfig) -> tuple[float, float]:
     """Power of the decision at TV DELTA at the first token and, the same TV instead at position 2
     (the first token speculation acts on: token 1 is vLLM's prefill sample), planned from exact
     simulated runs (once per config)."""
+    config = dataclasses.replace(config, seed=0)  # the plan simulates its own runs: the engine's seed plays no part
     if config not in _PLANS:
         plan = plan_power(reference, PROMPTS, config, alpha=ALPHA, delta=DELTA, reps=2)
         print(f"\nplanned power {config}: {plan.power:.5f} at token 1, {plan.power_speculative:.5f} at "
@@ -1087,3 +1092,32 @@ def test_tensor_parallel_plugin_is_exact(peaked_target, peaked_draft, reference,
     assert case.rejected, (case.name, case.pvalue)
     pvalues = [c.pvalue for c in report.cases] + [case.pvalue]
     assert list(holm_reject(pvalues, SUITE_ALPHA)) == [False, False, True], pvalues
+
+
+# --- suffix drafting and the drafter choice (issue 31 items 2-3) ------------------------------
+
+
+def test_suffix_drafting_with_the_drafter_choice_is_exact(peaked_target, peaked_draft, reference):
+    """``suffix_drafting`` on the plugin's draft: per request and step the suffix drafter (one-hot q),
+    the draft model at the γ the choice picks, or nothing, in one engine. T = 0 (every token the
+    argmax) and T = 0.7 / 1.0 / 1.3 with top-k 50 / top-p 0.9. The T > 0 requests are unseeded, so
+    the suffix drafter matches them against the shared corpus of finished requests too: each
+    sample of a prompt drafts the continuations that earlier samples of the same prompt took (a
+    seeded request at T > 0 is matched against its own context only, which on these random
+    prompts seldom matches). Outputs stay independent draws of the target: a request's drafts
+    depend only on requests already finished, and given them its output is the target's. The
+    counters must show both drafters verified and suffix drafts accepted in every case."""
+    samplings = [sampling(t) if t == 0 else dataclasses.replace(sampling(t), seed=None)
+                 for t in SUFFIX_CHOICE_TEMPERATURES]
+    report = run_honest(
+        "honest_suffix_choice", peaked_target, samplings, reference,
+        speculative_config=ENSEMBLE_PROPOSER,
+        additional_config={"specplugin": {"drafts": [peaked_draft], "suffix_drafting": {"corpus_requests": 64}}},
+    )
+    for case in report.cases:
+        counters = case.plugin_counters or {}
+        print(f"{case.name}: suffix steps {counters.get('choice_suffix_steps')}, model steps "
+              f"{counters.get('choice_model_steps')}, none {counters.get('choice_none_steps')}, suffix tokens "
+              f"{counters.get('suffix_accepted_tokens')} / {counters.get('suffix_drafted_tokens')} accepted")
+        assert counters.get("choice_suffix_steps", 0) > 0 and counters.get("choice_model_steps", 0) > 0, counters
+        assert counters.get("suffix_accepted_tokens", 0) > 0, counters

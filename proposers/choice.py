@@ -1,0 +1,275 @@
+"""Which drafter drafts for each request at each step: the one with the best expected goodput.
+
+:class:`DrafterChoice` holds a model proposer (one draft or an ensemble, chain or tree) and a
+zero-cost :class:`~vllm_specplugin.proposers.suffix.SuffixDrafter`. Per request and step it
+compares three options by expected tokens per unit of step time (the classic speculative
+speedup, with the verification's cost counted):
+
+- the suffix chain of length L (when the context has a match): ``(1 + E(α_s, L)) / (1 + v·L)``;
+- the model draft at each γ in 1..k: ``(1 + E(α_m, γ)) / (1 + (c + v)·γ)``;
+- no draft: 1.
+
+``E(α, L) = α + α² + ... + α^L`` is the expected number of accepted drafts at per-token
+acceptance α; c (``draft_cost``) is one model-draft token's forward over a plain target step and
+v (``verify_cost``) the target step's growth per verified draft token over a plain step (the
+benchmarks measure both: c and r = 1 + v·γ beside every figure). Where the text repeats (a
+greedy target that loops, code, copy-edits) the suffix wins at no draft cost; where it does not
+(sampling at T = 1, new prose), the model draft wins; where neither is accepted, nothing is drafted.
+
+Acceptance is measured per request (accepted over tested positions, each an exponential average
+with weight ``ema_weight``; :class:`Acceptance`):
+
+- α_m from the model's own verified drafts (accepted over tested positions);
+- α_s from the suffix chain proposed at *every* step, whether or not it was verified: a one-hot
+  token x is accepted with the target's p(x), and the emitted token equals x with the same
+  probability, because emitted tokens are exact samples of the target whichever draft was
+  verified. So the match of the suffix chain against the emitted tokens measures α_s without
+  spending a verification on it (leading matches over the positions the emitted tokens cover).
+
+A request whose best option is "no draft" drafts one model token every ``probe_every``-th such
+step, so that its α_m can come back. Nothing here changes what is emitted: each option is an
+exact draft with its own q (one-hot for the suffix), and the choice is made before the step's
+verification, from earlier outcomes.
+
+Reproducibility. For a seeded request the choice depends on the request's own history only: its
+own α (starting from fixed priors, not from the population's), its own step count, its own
+context (the suffix drafter matches a seeded request at T > 0 against its own context only).
+Costs are configured, not timed. An unseeded request starts from the population's recent α, kept
+apart for greedy and sampled requests (a suffix draft that greedy requests accept nearly always is
+accepted with p(x) by a sampled one: served on a mixed T = 0 / T = 1 workload, one average for both
+started every T = 1 request on suffix drafts that failed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
+from vllm_specplugin.proposers.metrics import accepted_count
+from vllm_specplugin.proposers.suffix import SuffixDrafter
+
+SUFFIX, MODEL, NONE = "suffix", "model", "none"
+
+
+@dataclass(frozen=True)
+class ChoicePolicy:
+    draft_cost: float = 0.12  # c: one model-draft token over a plain target step (benchmarks: 0.11-0.14 here)
+    verify_cost: float = 0.07  # v: the target step's growth per verified draft token (r = 1 + v·γ)
+    ema_weight: float = 0.3  # weight of the newest step in a request's acceptance average
+    suffix_prior: float = 0.5  # a new request's per-token acceptance of suffix drafts
+    model_prior: float = 0.6  # ... and of model drafts
+    population_weight: float = 0.05  # weight of each outcome in the population's α (unseeded starts)
+    probe_every: int = 8  # at "no draft", draft one model token every this many steps
+
+    def __post_init__(self):
+        for name in ("draft_cost", "verify_cost"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 10:
+                raise ValueError(f"{name} must be a number in [0, 10), got {value!r}")
+        for name in ("ema_weight", "population_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        for name in ("suffix_prior", "model_prior"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
+            raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+
+
+def expected_accepted(alpha: float, length: int) -> float:
+    """E(α, L) = α + α² + ... + α^L: accepted drafts of a chain of L at per-token acceptance α."""
+    total, term = 0.0, 1.0
+    for _ in range(length):
+        term *= alpha
+        total += term
+    return total
+
+
+class Acceptance:
+    """Per-token acceptance α as a ratio of exponential averages: accepted drafts over tested
+    positions (a position past the first rejection is not tested). The ratio of averages, not the
+    average of each step's ratio: a step's a / (a + 1) averages far below α (at α 0.78 per token,
+    chains of 4 average 2.54 accepted, and their mean ratio is 0.58)."""
+
+    __slots__ = ("accepted", "tested")
+
+    def __init__(self, alpha: float, weight: float = 1.0):
+        self.accepted, self.tested = alpha * weight, weight  # a prior worth `weight` tested positions
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tested
+
+    def observe(self, accepted: int, tested: int, weight: float) -> None:
+        self.accepted = (1 - weight) * self.accepted + weight * accepted
+        self.tested = (1 - weight) * self.tested + weight * tested
+
+
+@dataclass
+class _RequestState:
+    suffix: Acceptance
+    model: Acceptance
+    context_length: int = -1  # the context's length when the last proposal was made
+    suffix_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed, verified or not
+    model_tokens: list[int] | None = None  # the model's draft, when it was the one verified
+    verified: str = NONE  # which drafter's proposal the target verified
+    idle_steps: int = 0  # consecutive steps at "no draft"
+    sampled: bool = False  # T > 0 (its population average is the sampled requests')
+
+    @property
+    def suffix_alpha(self) -> float:
+        return self.suffix.alpha
+
+    @suffix_alpha.setter
+    def suffix_alpha(self, alpha: float) -> None:
+        self.suffix = Acceptance(alpha)
+
+    @property
+    def model_alpha(self) -> float:
+        return self.model.alpha
+
+    @model_alpha.setter
+    def model_alpha(self, alpha: float) -> None:
+        self.model = Acceptance(alpha)
+
+
+@dataclass(frozen=True)
+class Choice:
+    drafter: str  # SUFFIX, MODEL or NONE
+    gamma: int  # tokens asked of it
+    goodput: float  # the expected tokens per unit of step time that decided it
+
+
+class DrafterChoice(Proposer):
+    """Per request and step: the suffix drafter, the model proposer at some γ, or nothing."""
+
+    def __init__(self, model: Proposer, suffix: SuffixDrafter, policy: ChoicePolicy = ChoicePolicy()):
+        self.model = model
+        self.suffix = suffix
+        self.policy = policy
+        self.vocab_size = model.vocab_size
+        self.metrics = getattr(model, "metrics", None)
+        self._states: dict[str, _RequestState] = {}
+        # Recent acceptance over all requests, per drafter and per kind of request (greedy or
+        # sampled: a one-hot suffix token is accepted with p(x), which sampling spreads thin).
+        self.population = {(drafter, sampled): Acceptance(prior) for sampled in (False, True)
+                           for drafter, prior in ((SUFFIX, policy.suffix_prior), (MODEL, policy.model_prior))}
+        self.last_choices: dict[str, Choice] = {}  # request id -> this step's choice (tests, logs)
+
+    @property
+    def population_alpha(self) -> dict[tuple[str, bool], float]:
+        """(drafter, sampled) -> the recent acceptance over all requests of that kind."""
+        return {key: acceptance.alpha for key, acceptance in self.population.items()}
+
+    def free(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+        self.suffix.free(request_id)
+        self.model.free(request_id)
+
+    def tracked_request_ids(self) -> set[str]:
+        return set(self._states) | self.model.tracked_request_ids()
+
+    def empty_draft(self) -> Draft:
+        return Draft([], self.suffix.one_hot([]))
+
+    # -- acceptance ------------------------------------------------------------------------
+
+    def _state(self, request: DraftRequest) -> _RequestState:
+        state = self._states.get(request.request_id)
+        if state is None:
+            sampled = request.params.temperature > 0
+            if request.seeded:  # fixed priors: nothing from other requests
+                state = _RequestState(Acceptance(self.policy.suffix_prior), Acceptance(self.policy.model_prior),
+                                      sampled=sampled)
+            else:
+                state = _RequestState(Acceptance(self.population[SUFFIX, sampled].alpha),
+                                      Acceptance(self.population[MODEL, sampled].alpha), sampled=sampled)
+            self._states[request.request_id] = state
+        return state
+
+    def _update(self, state: _RequestState, drafter: str, accepted: int, tested: int) -> None:
+        if tested <= 0:
+            return
+        (state.suffix if drafter == SUFFIX else state.model).observe(accepted, tested, self.policy.ema_weight)
+        self.population[drafter, state.sampled].observe(accepted, tested, self.policy.population_weight)
+
+    def _observe(self, request: DraftRequest, state: _RequestState) -> None:
+        if state.context_length < 0:
+            return
+        emitted = list(request.context[state.context_length:])
+        if emitted:
+            drafted = state.suffix_tokens
+            matched = 0
+            while matched < min(len(drafted), len(emitted)) and drafted[matched] == emitted[matched]:
+                matched += 1
+            # Positions past the emitted tokens were not observed; past the first mismatch not tested.
+            self._update(state, SUFFIX, matched, min(len(drafted), matched + 1, len(emitted)))
+            if state.verified == SUFFIX and drafted and self.metrics is not None:
+                self.metrics.record_outcome(len(drafted), matched)  # the model proposer counts its own
+                self.metrics.suffix_drafted_tokens += len(drafted)
+                self.metrics.suffix_accepted_tokens += matched
+            if state.model_tokens:
+                accepted = accepted_count(state.model_tokens, emitted)
+                self._update(state, MODEL, accepted, min(len(state.model_tokens), accepted + 1))
+        state.suffix_tokens, state.model_tokens, state.verified = [], None, NONE
+
+    # -- the choice ------------------------------------------------------------------------
+
+    def choose(self, request: DraftRequest, state: _RequestState, suffix_length: int) -> Choice:
+        c, v = self.policy.draft_cost, self.policy.verify_cost
+        best = Choice(NONE, 0, 1.0)
+        for gamma in range(1, request.gamma + 1):
+            goodput = (1 + expected_accepted(state.model_alpha, gamma)) / (1 + (c + v) * gamma)
+            if goodput > best.goodput:
+                best = Choice(MODEL, gamma, goodput)
+        if suffix_length:
+            goodput = (1 + expected_accepted(state.suffix_alpha, suffix_length)) / (1 + v * suffix_length)
+            if goodput > best.goodput:
+                best = Choice(SUFFIX, suffix_length, goodput)
+        if best.drafter == NONE and request.gamma > 0:
+            state.idle_steps += 1
+            if state.idle_steps % self.policy.probe_every == 0:
+                best = Choice(MODEL, 1, 1.0)  # a probe keeps α_m current
+        else:
+            state.idle_steps = 0
+        return best
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        drafts: list[Draft | None] = [None] * len(requests)
+        chains = []
+        to_model: list[tuple[int, DraftRequest]] = []
+        self.last_choices = {}
+        for i, request in enumerate(requests):
+            state = self._state(request)
+            self._observe(request, state)
+            chain = self.suffix.chain(request)
+            chains.append(chain)
+            state.context_length = len(request.context)
+            state.suffix_tokens = list(chain.tokens)
+            choice = self.choose(request, state, len(chain.tokens)) if request.gamma > 0 else Choice(NONE, 0, 1.0)
+            self.last_choices[request.request_id] = choice
+            if self.metrics is not None:
+                name = f"choice_{choice.drafter}_steps"
+                setattr(self.metrics, name, getattr(self.metrics, name) + 1)
+            state.verified = choice.drafter
+            if choice.drafter == MODEL:
+                to_model.append((i, dataclasses.replace(request, gamma=choice.gamma)))
+            elif choice.drafter == SUFFIX:
+                tokens = list(chain.tokens)
+                drafts[i] = Draft(tokens, self.suffix.one_hot(tokens))
+        if to_model:
+            model_drafts = self.model.propose([request for _, request in to_model])
+            if len(model_drafts) != len(to_model):
+                raise RuntimeError(f"the model proposer returned {len(model_drafts)} drafts for {len(to_model)} requests")
+            for (i, request), draft in zip(to_model, model_drafts):
+                drafts[i] = draft
+                if draft.parents is None:  # a tree's accepted path is measured by the tree's own counters
+                    self._states[request.request_id].model_tokens = list(draft.token_ids)
+        for i, request in enumerate(requests):
+            if drafts[i] is None:
+                drafts[i] = self.empty_draft()
+        return drafts  # type: ignore[return-value]

@@ -1,0 +1,89 @@
+"""Suffix drafting with the per-request drafter choice (issue 31 items 2-3) against the best single
+drafters of the baseline (``test_bench_baseline.py``), on the heterogeneous family
+(``models/demo-mix``), in one run.
+
+Served, plain first: plain decoding; vLLM's ``suffix`` (γ 4; its best γ in the baseline) when
+``arctic-inference`` is importable (``make arctic``, then ``PYTHONPATH=runs/arctic-site``), else the
+row is skipped, saying why; vLLM's ``ngram`` (γ 4); the plugin's best model-draft chains of the
+baseline (draft-prose γ 4: code, prose, copy and creative; draft-code γ 6: mixed at T = 1); and the
+plugin's suffix drafting with the drafter choice over draft-prose at ``num_speculative_tokens`` 6
+(the suffix drafts up to 6, the model at the γ <= 6 the choice picks). Both suffix drafters once
+more without their cache of past requests (vLLM: ``suffix_decoding_max_cached_requests`` 0; the
+plugin: ``corpus_requests`` 0): the rounds repeat the same requests, so at T = 0 a cache of past
+requests drafts a round's greedy outputs from the round before, which first-seen traffic does not get.
+Workloads as in the baseline (4 held-out prompts per category, 40 tokens, batch 1; ``mixed-T0`` /
+``mixed-T1``), best of ``BENCH_ROUNDS`` (3) rounds; α by position, mean accepted length, c and r
+beside every figure (runs/bench/suffix_choice-*.md / .json).
+
+Run: ``PYTHONPATH=runs/arctic-site BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_choice.py -s -p no:cacheprovider``
+(8 servers: about 16 minutes on a quiet 2-core CPU). Results: docs/benchmarks.md ("Suffix drafting
+and the drafter choice").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from vllm_specplugin.throughput.bench import MODELS, ServedConfig, benchmark_workload, plugin_config, served_fixture
+from vllm_specplugin.throughput.workloads import category_prompts, mixed_phases
+
+pytestmark = [pytest.mark.server]
+
+FAMILY = os.path.join(MODELS, "demo-mix")
+PROMPTS_PER_CATEGORY = 4
+MAX_TOKENS = 40
+CHOICE_GAMMA = 6
+HAVE_ARCTIC = importlib.util.find_spec("arctic_inference") is not None
+
+NO_ARCTIC = pytest.mark.skipif(not HAVE_ARCTIC, reason="vLLM's suffix method needs arctic-inference, not installed "
+                               "(make arctic, then PYTHONPATH=runs/arctic-site)")
+CONFIGS = [
+    ServedConfig("plain"),
+    pytest.param(ServedConfig("vllm suffix (γ 4)", {"method": "suffix", "num_speculative_tokens": 4}), marks=NO_ARCTIC),
+    # The rounds repeat the same requests: at T = 0 a cache of past requests drafts round 2's
+    # outputs from round 1's. Without it, each request is drafted from its own context only.
+    pytest.param(ServedConfig("vllm suffix (γ 4), no cache of past requests",
+                              {"method": "suffix", "num_speculative_tokens": 4,
+                               "suffix_decoding_max_cached_requests": 0}), marks=NO_ARCTIC),
+    ServedConfig("vllm ngram (n 2-4, γ 4)",
+                 {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+    plugin_config("plugin draft-prose γ 4", ["demo-mix/draft-prose"], 4),
+    plugin_config("plugin draft-code γ 6", ["demo-mix/draft-code"], 6),
+    plugin_config(f"choice: suffix + draft-prose, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"], CHOICE_GAMMA,
+                  suffix_drafting=True),
+    plugin_config(f"choice: suffix (own context only) + draft-prose, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"],
+                  CHOICE_GAMMA, suffix_drafting={"corpus_requests": 0}),
+]
+
+
+def _workloads() -> dict[str, tuple[list[str], list[float]]]:
+    """{name: (prompt texts, one temperature per prompt)}: the baseline's."""
+    out = {}
+    for name in ("code", "prose", "copy", "creative"):
+        prompts = category_prompts(name, PROMPTS_PER_CATEGORY, setting=0)
+        out[name] = ([p.text for p in prompts], [p.temperature for p in prompts])
+    for setting in (0, 1):
+        ((prompts, _concurrency),) = mixed_phases("c1", setting=setting)
+        prompts = prompts[:PROMPTS_PER_CATEGORY]
+        out[f"mixed-T{setting}"] = ([p.text for p in prompts], [p.temperature for p in prompts])
+    return out
+
+
+WORKLOADS = _workloads() if os.path.isdir(FAMILY) else {}
+served = served_fixture(CONFIGS, target=os.path.join(FAMILY, "target"))
+SELECTED = os.environ.get("BENCH_WORKLOADS", "code,prose,copy,creative,mixed-T0,mixed-T1").split(",")
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(FAMILY, "draft-tiny")),
+                    reason="models/demo-mix is not built (python -m vllm_specplugin.models.mix all)")
+@pytest.mark.parametrize("workload", SELECTED)
+def test_suffix_choice(benchmark, bench_results, served, workload):
+    prompts, temperatures = WORKLOADS[workload]
+    benchmark.group = workload
+    result = benchmark_workload(benchmark, bench_results.setdefault("suffix_choice", []), served, prompts,
+                                batch=1, temperature=temperatures, max_tokens=MAX_TOKENS, workload=workload)
+    if served[0].gamma:
+        assert result.drafts > 0

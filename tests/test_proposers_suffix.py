@@ -1,0 +1,239 @@
+"""The suffix drafter (proposers/suffix.py) and the drafter choice (proposers/choice.py)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
+from vllm_specplugin.proposers.base import DraftRequest
+from vllm_specplugin.proposers.choice import MODEL, NONE, SUFFIX, ChoicePolicy, DrafterChoice, expected_accepted
+from vllm_specplugin.proposers.draft_runtime import DraftRuntime
+from vllm_specplugin.proposers.ensemble import EnsembleProposer
+from vllm_specplugin.proposers.sampling import SamplingParams
+from vllm_specplugin.proposers.suffix import SuffixDrafter, SuffixSettings, match_suffix
+
+DRAFT = os.path.join(REPO_ROOT, "models", "demo", "draft-tiny")
+VOCAB = 4096
+
+
+def match(tokens, **settings):
+    text = np.asarray(tokens, dtype=np.int64)
+    return match_suffix(text, text.size, SuffixSettings(**settings))
+
+
+def test_continues_the_longest_earlier_occurrence():
+    found = match([1, 2, 3, 4, 5, 9, 1, 2, 3])
+    assert found.match_length == 3
+    assert found.tokens == [4, 5, 9, 1, 2, 3]  # runs on into the key itself: a loop continues
+    assert found.token_probs == [1.0] * 6
+
+
+def test_follows_the_most_frequent_continuation():
+    # "7 8" was followed by 1, 2, 1: the path takes 1 (2 of 3), then both of those continue 7 8.
+    found = match([7, 8, 1, 7, 8, 2, 7, 8, 1, 7, 8], max_match=2)
+    assert found.match_length == 2
+    assert found.tokens[:3] == [1, 7, 8]
+    assert found.token_probs[0] == pytest.approx(2 / 3)
+
+
+def test_a_tie_goes_to_the_most_recent_occurrence():
+    assert match([5, 6, 1, 5, 6, 2, 5, 6], max_match=2).tokens[0] == 2
+    assert match([5, 6, 2, 5, 6, 1, 5, 6], max_match=2).tokens[0] == 1
+
+
+def test_min_token_prob_cuts_the_path_and_min_match_refuses_short_matches():
+    tokens = [7, 8, 1, 7, 8, 2, 7, 8, 3, 7, 8]  # three continuations, each 1/3
+    assert match(tokens, max_match=2, min_token_prob=0.5).tokens == []
+    assert match(tokens, max_match=2, min_token_prob=0.3).tokens[:1] == [3]
+    assert match([1, 2, 3, 4, 9, 4]).tokens == []  # a one-token match only
+    assert match([1, 2, 3, 4, 9, 4], min_match=1).tokens[:2] == [9, 4]
+    assert match([4]).tokens == [] and match([]).tokens == []
+
+
+def test_no_continuation_crosses_a_document_separator():
+    drafter = SuffixDrafter(VOCAB, SuffixSettings(corpus_requests=4))
+    drafter.chain(DraftRequest("a", [10, 11, 12, 13], 4))
+    drafter.free("a")  # "a" joins the corpus
+    found = drafter.chain(DraftRequest("b", [40, 12, 13], 8))
+    assert found.tokens == []  # 12 13 ended document "a": nothing followed it there
+    found = drafter.chain(DraftRequest("c", [40, 11, 12], 8))
+    assert found.tokens == [13]
+
+
+def test_the_corpus_is_used_except_by_seeded_requests_at_positive_temperature():
+    drafter = SuffixDrafter(VOCAB, SuffixSettings(corpus_requests=2))
+    drafter.chain(DraftRequest("done", [1, 2, 3, 4, 5, 6], 4))
+    drafter.free("done")
+    sampled = SamplingParams(temperature=1.0)
+    assert drafter.chain(DraftRequest("u", [9, 2, 3], 3, sampled)).tokens == [4, 5, 6]
+    assert drafter.chain(DraftRequest("g", [9, 2, 3], 3, seeded=True)).tokens == [4, 5, 6]  # greedy: no randomness
+    assert drafter.chain(DraftRequest("s", [9, 2, 3], 3, sampled, seeded=True)).tokens == []
+    for rid in "xyz":  # the corpus keeps the last corpus_requests documents
+        drafter.chain(DraftRequest(rid, [50, 51], 1))
+        drafter.free(rid)
+    assert drafter.chain(DraftRequest("u2", [9, 2, 3], 3, sampled)).tokens == []
+
+
+def test_drafts_are_one_hot_and_cut_to_gamma_and_vocabulary():
+    drafter = SuffixDrafter(16)
+    (draft,) = drafter.propose([DraftRequest("r", [1, 2, 3, 4, 20, 5, 1, 2, 3], 3)])
+    assert draft.token_ids == [4]  # 20 is outside the vocabulary: the chain ends before it
+    assert draft.probs.shape == (1, 16) and draft.probs[0, 4] == 1 and draft.probs.sum() == 1
+    (draft,) = drafter.propose([DraftRequest("r", [1, 2, 3, 4, 5, 6, 1, 2, 3], 2)])
+    assert draft.token_ids == [4, 5] and torch.equal(draft.probs.argmax(-1), torch.tensor([4, 5]))
+
+
+def test_settings_are_validated():
+    for bad in ({"min_match": 0}, {"min_match": 5, "max_match": 4}, {"min_token_prob": 0}, {"corpus_requests": -1}):
+        with pytest.raises(ValueError):
+            SuffixSettings(**bad)
+    with pytest.raises(ValueError):
+        ChoicePolicy(draft_cost=-1)
+
+
+# -- the drafter choice ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    return DraftRuntime(DRAFT, target_vocab_size=VOCAB)
+
+
+def loop_context(seed: int, period: int = 6, repeats: int = 3) -> list[int]:
+    segment = np.random.default_rng(seed).integers(3, VOCAB, period).tolist()
+    return segment * repeats
+
+
+def test_expected_accepted():
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(1.0, 4) == 4 and expected_accepted(0.3, 0) == 0
+
+
+def serve(choice: DrafterChoice, contexts: dict[str, list[int]], target, steps: int, gamma: int = 4,
+          seeded: bool = False, params: SamplingParams = SamplingParams(temperature=0.0)) -> list[dict[str, str]]:
+    """Steps of a synthetic engine: ``target(rid, context)`` is the token the target emits next
+    (a deterministic target, T = 0); drafts are accepted while they agree with it."""
+    seen = []
+    for _ in range(steps):
+        requests = [DraftRequest(rid, list(ctx), gamma, params, seeded=seeded) for rid, ctx in contexts.items()]
+        drafts = choice.propose(requests)
+        seen.append({rid: c.drafter for rid, c in choice.last_choices.items()})
+        for request, draft in zip(requests, drafts):
+            context = contexts[request.request_id]
+            for token in draft.token_ids:
+                if token != target(request.request_id, context):
+                    break
+                context.append(token)
+            context.append(target(request.request_id, context))
+    return seen
+
+
+def periodic(period: int):
+    """A target that repeats the context's last `period` tokens: the suffix drafter's best case."""
+    return lambda rid, context: context[-period]
+
+
+def test_a_looping_target_is_drafted_by_the_suffix_at_no_draft_cost(runtime):
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB))
+    contexts = {"loop": loop_context(0)}
+    seen = serve(choice, contexts, periodic(6), steps=6)
+    assert all(step["loop"] == SUFFIX for step in seen), seen
+    state = choice._states["loop"]
+    assert state.suffix_alpha > 0.9
+    assert choice.metrics.choice_suffix_steps == 6 and choice.metrics.choice_model_steps == 0
+    assert choice.metrics.suffix_accepted_tokens == choice.metrics.suffix_drafted_tokens > 0
+    assert runtime.num_cached_requests == 0  # the draft model never ran
+
+
+def test_when_the_suffix_is_wrong_the_model_drafts_and_when_nothing_pays_nobody_does(runtime):
+    # The target breaks every loop: it emits a token never seen, so suffix drafts fail.
+    counter = iter(range(10_000, 20_000))
+    novel = lambda rid, context: next(counter) % (VOCAB - 3) + 3  # noqa: E731
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB))
+    contexts = {"r": loop_context(1)}
+    seen = [step["r"] for step in serve(choice, contexts, novel, steps=12)]
+    assert seen[0] == SUFFIX  # the prior and a match: tried first
+    assert MODEL in seen[1:4], seen  # one failure put the suffix's α (0.35) under the model's prior (0.6)
+    assert choice._states["r"].suffix_alpha < 0.4
+    # The model's drafts fail too (a synthetic target the draft cannot know): α_m falls and the
+    # choice drafts nothing but a probe of one model token every probe_every idle steps.
+    assert seen[-4:].count(NONE) >= 3, seen
+    longer = [step["r"] for step in serve(choice, contexts, novel, steps=16)]
+    assert longer.count(MODEL) in (1, 2) and longer.count(NONE) >= 14, longer
+
+
+def test_a_seeded_requests_choices_do_not_depend_on_other_requests(runtime):
+    def run(others: bool) -> list[str]:
+        choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB, SuffixSettings(corpus_requests=8)))
+        if others:  # other sampled traffic first: finished requests that began with the same text and
+            # went on elsewhere in the corpus, and the population's α moved
+            counter = iter(range(30_000, 40_000))
+            for i in range(3):
+                serve(choice, {f"other{i}": loop_context(3)[:10]}, lambda rid, ctx: next(counter) % (VOCAB - 3) + 3,
+                      steps=6, params=SamplingParams(temperature=1.0))
+                choice.free(f"other{i}")
+            assert choice.population_alpha[SUFFIX, True] < choice.policy.suffix_prior
+        contexts = {"seeded": loop_context(3)[:10]}
+        params = SamplingParams(temperature=1.0)
+        seen = []
+        for _ in range(6):
+            request = DraftRequest("seeded", list(contexts["seeded"]), 4, params, seeded=True)
+            (draft,) = choice.propose([request])
+            # The whole choice (its goodput too: what decides it), not only its outcome here.
+            seen.append((choice.last_choices["seeded"], tuple(draft.token_ids)))
+            contexts["seeded"].append(contexts["seeded"][-6])
+        return seen
+
+    assert run(others=False) == run(others=True)
+
+
+def test_the_choice_maximises_the_goodput_formula(runtime):
+    policy = ChoicePolicy(draft_cost=0.2, verify_cost=0.05)
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), policy)
+    request = DraftRequest("r", [1, 2, 3], 6)
+    state = choice._state(request)
+    state.model_alpha, state.suffix_alpha = 0.8, 0.5
+    picked = choice.choose(request, state, suffix_length=2)
+    model = [(1 + expected_accepted(0.8, g)) / (1 + 0.25 * g) for g in range(1, 7)]
+    suffix = (1 + expected_accepted(0.5, 2)) / (1 + 0.05 * 2)
+    assert picked.drafter == MODEL and picked.gamma == 1 + int(np.argmax(model)) and max(model) > suffix
+    state.suffix_alpha = 0.95
+    assert choice.choose(request, state, suffix_length=6).drafter == SUFFIX
+    state.model_alpha, state.suffix_alpha = 0.05, 0.02  # below v: even a free draft does not pay its verification
+    assert choice.choose(request, state, suffix_length=1).drafter == NONE
+
+
+def test_greedy_traffic_does_not_set_the_start_of_sampled_requests(runtime):
+    """Population averages are kept apart for greedy and sampled requests: suffix drafts that
+    greedy requests accept nearly always must not start a T = 1 request on suffix drafts."""
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB))
+    for i in range(4):
+        serve(choice, {f"g{i}": loop_context(10 + i)}, periodic(6), steps=6)
+        choice.free(f"g{i}")
+    assert choice.population_alpha[SUFFIX, False] > 0.6
+    greedy = choice._state(DraftRequest("new-greedy", [1, 2, 3], 4))
+    sampled = choice._state(DraftRequest("new-sampled", [1, 2, 3], 4, SamplingParams(temperature=1.0)))
+    assert greedy.suffix_alpha == choice.population_alpha[SUFFIX, False]
+    assert sampled.suffix_alpha == choice.policy.suffix_prior == choice.population_alpha[SUFFIX, True]
+
+
+def test_acceptance_is_a_ratio_of_averages_and_recovers_the_per_token_rate():
+    """Chains of 4 at an i.i.d. per-token α of 0.78: the ratio of averages finds 0.78; the average
+    of each step's accepted / tested would say about 0.58 and pick too short a γ."""
+    from vllm_specplugin.proposers.choice import Acceptance
+
+    rng = np.random.default_rng(0)
+    estimate, ratios = Acceptance(0.5), []
+    for _ in range(4000):
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.78:
+            accepted += 1
+        tested = min(4, accepted + 1)
+        estimate.observe(accepted, tested, 0.01)
+        ratios.append(accepted / tested)
+    assert estimate.alpha == pytest.approx(0.78, abs=0.03)
+    assert np.mean(ratios) < 0.65
