@@ -6,28 +6,39 @@ compares three options by expected tokens per unit of step time (the classic spe
 speedup, with the verification's cost counted):
 
 - the suffix chain of length L (when the context has a match): ``(1 + E(α_s, L)) / (1 + v·L)``;
-- the model draft at each γ in 1..k: ``(1 + E(α_m, γ)) / (1 + (c + v)·γ)``;
+- the model draft at γ = k (``model_gamma``, default ``num_speculative_tokens``, which also caps
+  the suffix chain): ``(1 + A_m) / (1 + (c + v)·k)``;
 - no draft: 1.
 
-``E(α, L) = α + α² + ... + α^L`` is the expected number of accepted drafts at per-token
-acceptance α; c (``draft_cost``) is one model-draft token's forward over a plain target step and
-v (``verify_cost``) the target step's growth per verified draft token over a plain step (the
-benchmarks measure both: c and r = 1 + v·γ beside every figure). Where the text repeats (a
-greedy target that loops, code, copy-edits) the suffix wins at no draft cost; where it does not
-(sampling at T = 1, new prose), the model draft wins; where neither is accepted, nothing is drafted.
+``E(α, L) = α + α² + ... + α^L`` is the expected number of accepted drafts of a chain of L at
+per-token acceptance α, and A_m the request's measured accepted model drafts per step; c
+(``draft_cost``) is one model-draft token's forward over a plain target step and v
+(``verify_cost``) the target step's growth per verified draft token over a plain step (the
+benchmarks measure both: c and r = 1 + v·γ beside every figure). Where the text repeats (a greedy
+target that loops, code, copy-edits, a request seen before) the suffix wins at no draft cost; where
+it does not (sampling at T = 1, new prose), the model draft wins; where neither is accepted,
+nothing is drafted.
+
+Why the model drafts k and not a γ chosen per step: its acceptance comes in runs (a draft that
+gets its first tokens right tends to get the next ones right), so an i.i.d. estimate from the
+per-token rate prices long drafts too low. Served on the mixed T = 1 workload, choosing γ from it
+drafted 2.6 tokens a step on average and accepted 1.1-1.3 per step, where a fixed γ 4 accepted
+2.1-2.8 (and γ 2 1.1-1.5). So the model's γ is the user's ``model_gamma`` (set it to the best fixed γ of
+``make bench``; ``num_speculative_tokens`` may be larger, for the suffix's long chains), and the
+choice is whether the model drafts at all.
 
 Acceptance is measured per request (accepted over tested positions, each an exponential average
 with weight ``ema_weight``; :class:`Acceptance`):
 
-- α_m from the model's own verified drafts (accepted over tested positions);
+- A_m from the model's own verified drafts (accepted drafts per step, at γ = k);
 - α_s from the suffix chain proposed at *every* step, whether or not it was verified: a one-hot
   token x is accepted with the target's p(x), and the emitted token equals x with the same
   probability, because emitted tokens are exact samples of the target whichever draft was
   verified. So the match of the suffix chain against the emitted tokens measures α_s without
   spending a verification on it (leading matches over the positions the emitted tokens cover).
 
-A request whose best option is "no draft" drafts one model token every ``probe_every``-th such
-step, so that its α_m can come back. Nothing here changes what is emitted: each option is an
+A request whose best option is "no draft" drafts with the model every ``probe_every``-th such
+step, so that its A_m can come back. Nothing here changes what is emitted: each option is an
 exact draft with its own q (one-hot for the suffix), and the choice is made before the step's
 verification, from earlier outcomes.
 
@@ -61,7 +72,8 @@ class ChoicePolicy:
     suffix_prior: float = 0.5  # a new request's per-token acceptance of suffix drafts
     model_prior: float = 0.6  # ... and of model drafts
     population_weight: float = 0.05  # weight of each outcome in the population's α (unseeded starts)
-    probe_every: int = 8  # at "no draft", draft one model token every this many steps
+    probe_every: int = 8  # at "no draft", draft with the model every this many steps
+    model_gamma: int | None = None  # the model's γ (None: num_speculative_tokens, which also caps the suffix)
 
     def __post_init__(self):
         for name in ("draft_cost", "verify_cost"):
@@ -78,6 +90,9 @@ class ChoicePolicy:
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
         if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+        if self.model_gamma is not None and (isinstance(self.model_gamma, bool) or not isinstance(self.model_gamma, int)
+                                             or self.model_gamma < 1):
+            raise ValueError(f"model_gamma must be an integer >= 1 or null, got {self.model_gamma!r}")
 
 
 def expected_accepted(alpha: float, length: int) -> float:
@@ -111,14 +126,15 @@ class Acceptance:
 
 @dataclass
 class _RequestState:
-    suffix: Acceptance
-    model: Acceptance
+    suffix: Acceptance  # per token
+    model: Acceptance  # per model step: accepted drafts over steps (a chain of k is not i.i.d. tokens)
     context_length: int = -1  # the context's length when the last proposal was made
     suffix_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed, verified or not
     model_tokens: list[int] | None = None  # the model's draft, when it was the one verified
     verified: str = NONE  # which drafter's proposal the target verified
     idle_steps: int = 0  # consecutive steps at "no draft"
     sampled: bool = False  # T > 0 (its population average is the sampled requests')
+    gamma: int = 0  # the model's γ: the request's first budget (k, unless max_model_len is near)
 
     @property
     def suffix_alpha(self) -> float:
@@ -129,12 +145,13 @@ class _RequestState:
         self.suffix = Acceptance(alpha)
 
     @property
-    def model_alpha(self) -> float:
+    def model_accepted(self) -> float:
+        """Accepted model drafts per model step (at γ = k)."""
         return self.model.alpha
 
-    @model_alpha.setter
-    def model_alpha(self, alpha: float) -> None:
-        self.model = Acceptance(alpha)
+    @model_accepted.setter
+    def model_accepted(self, accepted: float) -> None:
+        self.model = Acceptance(accepted)
 
 
 @dataclass(frozen=True)
@@ -156,14 +173,25 @@ class DrafterChoice(Proposer):
         self._states: dict[str, _RequestState] = {}
         # Recent acceptance over all requests, per drafter and per kind of request (greedy or
         # sampled: a one-hot suffix token is accepted with p(x), which sampling spreads thin).
-        self.population = {(drafter, sampled): Acceptance(prior) for sampled in (False, True)
-                           for drafter, prior in ((SUFFIX, policy.suffix_prior), (MODEL, policy.model_prior))}
+        self.population = {(SUFFIX, sampled): Acceptance(policy.suffix_prior) for sampled in (False, True)}
+        self._model_population: dict[tuple[int, bool], Acceptance] = {}  # (k, sampled) -> accepted per step
         self.last_choices: dict[str, Choice] = {}  # request id -> this step's choice (tests, logs)
 
     @property
     def population_alpha(self) -> dict[tuple[str, bool], float]:
-        """(drafter, sampled) -> the recent acceptance over all requests of that kind."""
+        """(SUFFIX, sampled) -> the recent per-token acceptance of suffix drafts over all requests
+        of that kind."""
         return {key: acceptance.alpha for key, acceptance in self.population.items()}
+
+    def model_prior(self, gamma: int) -> float:
+        """A new seeded request's accepted model drafts per step at γ: E(model_prior, γ)."""
+        return expected_accepted(self.policy.model_prior, gamma)
+
+    def _model_population_of(self, gamma: int, sampled: bool) -> Acceptance:
+        key = (gamma, sampled)
+        if key not in self._model_population:
+            self._model_population[key] = Acceptance(self.model_prior(gamma))
+        return self._model_population[key]
 
     def free(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -182,20 +210,26 @@ class DrafterChoice(Proposer):
         state = self._states.get(request.request_id)
         if state is None:
             sampled = request.params.temperature > 0
+            gamma = request.gamma if self.policy.model_gamma is None else min(request.gamma, self.policy.model_gamma)
+            request = dataclasses.replace(request, gamma=gamma)
             if request.seeded:  # fixed priors: nothing from other requests
-                state = _RequestState(Acceptance(self.policy.suffix_prior), Acceptance(self.policy.model_prior),
-                                      sampled=sampled)
+                state = _RequestState(Acceptance(self.policy.suffix_prior), Acceptance(self.model_prior(request.gamma)),
+                                      sampled=sampled, gamma=request.gamma)
             else:
                 state = _RequestState(Acceptance(self.population[SUFFIX, sampled].alpha),
-                                      Acceptance(self.population[MODEL, sampled].alpha), sampled=sampled)
+                                      Acceptance(self._model_population_of(request.gamma, sampled).alpha),
+                                      sampled=sampled, gamma=request.gamma)
             self._states[request.request_id] = state
         return state
 
     def _update(self, state: _RequestState, drafter: str, accepted: int, tested: int) -> None:
+        """SUFFIX: ``accepted`` of ``tested`` positions; MODEL: ``accepted`` drafts in ``tested`` (1) steps."""
         if tested <= 0:
             return
         (state.suffix if drafter == SUFFIX else state.model).observe(accepted, tested, self.policy.ema_weight)
-        self.population[drafter, state.sampled].observe(accepted, tested, self.policy.population_weight)
+        population = (self.population[SUFFIX, state.sampled] if drafter == SUFFIX
+                      else self._model_population_of(state.gamma, state.sampled))
+        population.observe(accepted, tested, self.policy.population_weight)
 
     def _observe(self, request: DraftRequest, state: _RequestState) -> None:
         if state.context_length < 0:
@@ -213,8 +247,8 @@ class DrafterChoice(Proposer):
                 self.metrics.suffix_drafted_tokens += len(drafted)
                 self.metrics.suffix_accepted_tokens += matched
             if state.model_tokens:
-                accepted = accepted_count(state.model_tokens, emitted)
-                self._update(state, MODEL, accepted, min(len(state.model_tokens), accepted + 1))
+                if len(state.model_tokens) == state.gamma:  # a probe's shorter draft does not say what k gives
+                    self._update(state, MODEL, accepted_count(state.model_tokens, emitted), 1)
         state.suffix_tokens, state.model_tokens, state.verified = [], None, NONE
 
     # -- the choice ------------------------------------------------------------------------
@@ -222,10 +256,10 @@ class DrafterChoice(Proposer):
     def choose(self, request: DraftRequest, state: _RequestState, suffix_length: int) -> Choice:
         c, v = self.policy.draft_cost, self.policy.verify_cost
         best = Choice(NONE, 0, 1.0)
-        for gamma in range(1, request.gamma + 1):
-            goodput = (1 + expected_accepted(state.model_alpha, gamma)) / (1 + (c + v) * gamma)
-            if goodput > best.goodput:
-                best = Choice(MODEL, gamma, goodput)
+        gamma = min(request.gamma, state.gamma)
+        goodput = (1 + state.model_accepted) / (1 + (c + v) * gamma)
+        if goodput > best.goodput:
+            best = Choice(MODEL, gamma, goodput)
         if suffix_length:
             goodput = (1 + expected_accepted(state.suffix_alpha, suffix_length)) / (1 + v * suffix_length)
             if goodput > best.goodput:
@@ -233,7 +267,7 @@ class DrafterChoice(Proposer):
         if best.drafter == NONE and request.gamma > 0:
             state.idle_steps += 1
             if state.idle_steps % self.policy.probe_every == 0:
-                best = Choice(MODEL, 1, 1.0)  # a probe keeps α_m current
+                best = Choice(MODEL, min(request.gamma, state.gamma), 1.0)  # a probe keeps the model's estimate current
         else:
             state.idle_steps = 0
         return best

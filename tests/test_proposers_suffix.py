@@ -196,14 +196,15 @@ def test_the_choice_maximises_the_goodput_formula(runtime):
     choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), policy)
     request = DraftRequest("r", [1, 2, 3], 6)
     state = choice._state(request)
-    state.model_alpha, state.suffix_alpha = 0.8, 0.5
+    assert state.model_accepted == pytest.approx(expected_accepted(policy.model_prior, 6))  # the prior at k
+    state.model_accepted, state.suffix_alpha = 4.0, 0.5
     picked = choice.choose(request, state, suffix_length=2)
-    model = [(1 + expected_accepted(0.8, g)) / (1 + 0.25 * g) for g in range(1, 7)]
+    model = (1 + 4.0) / (1 + 0.25 * 6)  # the model drafts k = 6
     suffix = (1 + expected_accepted(0.5, 2)) / (1 + 0.05 * 2)
-    assert picked.drafter == MODEL and picked.gamma == 1 + int(np.argmax(model)) and max(model) > suffix
+    assert picked.drafter == MODEL and picked.gamma == 6 and picked.goodput == pytest.approx(model) and model > suffix
     state.suffix_alpha = 0.95
     assert choice.choose(request, state, suffix_length=6).drafter == SUFFIX
-    state.model_alpha, state.suffix_alpha = 0.05, 0.02  # below v: even a free draft does not pay its verification
+    state.model_accepted, state.suffix_alpha = 0.3, 0.02  # below v: even a free draft does not pay its verification
     assert choice.choose(request, state, suffix_length=1).drafter == NONE
 
 

@@ -111,7 +111,9 @@ class SpecPluginConfig:
     # max_match (16), min_match (2), max_occurrences (64), min_token_prob (0.1), corpus_requests
     # (32: finished requests matched too; 0: own context only); the choice's draft_cost (c, 0.12),
     # verify_cost (v, 0.07), ema_weight (0.3), suffix_prior (0.5), model_prior (0.6),
-    # population_weight (0.05), probe_every (8). Not with adaptive_gamma or tree_drafting.
+    # population_weight (0.05), probe_every (8), model_gamma (null: num_speculative_tokens; the
+    # draft models' γ, while the suffix drafts up to num_speculative_tokens). Not with
+    # adaptive_gamma or tree_drafting.
     suffix_drafting: dict | None = None
     # Share draft KV across requests with a common token prefix (a radix tree of token blocks).
     prefix_sharing: bool = False
@@ -284,7 +286,7 @@ def _gamma_policy(value: Any) -> dict:
     return out
 
 
-_SUFFIX_INT_FIELDS = ("max_match", "min_match", "max_occurrences", "corpus_requests", "probe_every")
+_SUFFIX_INT_FIELDS = ("max_match", "min_match", "max_occurrences", "corpus_requests", "probe_every", "model_gamma")
 _SUFFIX_FLOAT_FIELDS = ("min_token_prob", "draft_cost", "verify_cost", "ema_weight", "suffix_prior", "model_prior",
                         "population_weight")
 
@@ -300,7 +302,9 @@ def _suffix_drafting(value: Any) -> dict:
     out: dict[str, Any] = {}
     for key, item in value.items():
         field = f"suffix_drafting.{key}"
-        if key in _SUFFIX_INT_FIELDS:
+        if key == "model_gamma" and item is None:
+            pass
+        elif key in _SUFFIX_INT_FIELDS:
             if isinstance(item, bool) or not isinstance(item, int):
                 raise SpecPluginConfigError(field, f"expected an integer, got {item!r}")
         elif key in _SUFFIX_FLOAT_FIELDS:

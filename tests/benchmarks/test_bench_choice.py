@@ -7,7 +7,7 @@ Served, plain first: plain decoding; vLLM's ``suffix`` (γ 4; its best γ in the
 row is skipped, saying why; vLLM's ``ngram`` (γ 4); the plugin's best model-draft chains of the
 baseline (draft-prose γ 4: code, prose, copy and creative; draft-code γ 6: mixed at T = 1); and the
 plugin's suffix drafting with the drafter choice over draft-prose at ``num_speculative_tokens`` 6
-(the suffix drafts up to 6, the model at the γ <= 6 the choice picks). Both suffix drafters once
+and ``model_gamma`` 4 (the suffix drafts up to 6, the model 4: its best fixed γ in the baseline). Both suffix drafters once
 more without their cache of past requests (vLLM: ``suffix_decoding_max_cached_requests`` 0; the
 plugin: ``corpus_requests`` 0): the rounds repeat the same requests, so at T = 0 a cache of past
 requests drafts a round's greedy outputs from the round before, which first-seen traffic does not get.
@@ -52,10 +52,10 @@ CONFIGS = [
                  {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
     plugin_config("plugin draft-prose γ 4", ["demo-mix/draft-prose"], 4),
     plugin_config("plugin draft-code γ 6", ["demo-mix/draft-code"], 6),
-    plugin_config(f"choice: suffix + draft-prose, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"], CHOICE_GAMMA,
-                  suffix_drafting=True),
-    plugin_config(f"choice: suffix (own context only) + draft-prose, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"],
-                  CHOICE_GAMMA, suffix_drafting={"corpus_requests": 0}),
+    plugin_config(f"choice: suffix + draft-prose γ 4, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"], CHOICE_GAMMA,
+                  suffix_drafting={"model_gamma": 4}),
+    plugin_config(f"choice: suffix (own context only) + draft-prose γ 4, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"],
+                  CHOICE_GAMMA, suffix_drafting={"corpus_requests": 0, "model_gamma": 4}),
 ]
 
 
