@@ -68,11 +68,14 @@ SUFFIX, MODEL, NONE = "suffix", "model", "none"
 class ChoicePolicy:
     draft_cost: float = 0.12  # c: one model-draft token over a plain target step (benchmarks: 0.11-0.14 here)
     verify_cost: float = 0.07  # v: the target step's growth per verified draft token (r = 1 + v·γ)
-    ema_weight: float = 0.3  # weight of the newest step in a request's acceptance average
+    # Weight of the newest step in a request's acceptance averages. 0.3 reacted to two poor steps
+    # of a 40-token request by drafting nothing for up to probe_every steps (14 of 24 steps
+    # undrafted on a copy request at T = 1, where a fixed chain accepted 2.1 drafts a step).
+    ema_weight: float = 0.1
     suffix_prior: float = 0.5  # a new request's per-token acceptance of suffix drafts
     model_prior: float = 0.6  # ... and of model drafts
     population_weight: float = 0.05  # weight of each outcome in the population's α (unseeded starts)
-    probe_every: int = 8  # at "no draft", draft with the model every this many steps
+    probe_every: int = 4  # at "no draft", draft with the model every this many steps
     model_gamma: int | None = None  # the model's γ (None: num_speculative_tokens, which also caps the suffix)
 
     def __post_init__(self):

@@ -137,8 +137,12 @@ def periodic(period: int):
     return lambda rid, context: context[-period]
 
 
+# The mechanics below at a fast-reacting average (the default, 0.1, is slower on purpose).
+FAST = ChoicePolicy(ema_weight=0.3, probe_every=8)
+
+
 def test_a_looping_target_is_drafted_by_the_suffix_at_no_draft_cost(runtime):
-    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB))
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), FAST)
     contexts = {"loop": loop_context(0)}
     seen = serve(choice, contexts, periodic(6), steps=6)
     assert all(step["loop"] == SUFFIX for step in seen), seen
@@ -153,7 +157,7 @@ def test_when_the_suffix_is_wrong_the_model_drafts_and_when_nothing_pays_nobody_
     # The target breaks every loop: it emits a token never seen, so suffix drafts fail.
     counter = iter(range(10_000, 20_000))
     novel = lambda rid, context: next(counter) % (VOCAB - 3) + 3  # noqa: E731
-    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB))
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), FAST)
     contexts = {"r": loop_context(1)}
     seen = [step["r"] for step in serve(choice, contexts, novel, steps=12)]
     assert seen[0] == SUFFIX  # the prior and a match: tried first

@@ -277,6 +277,22 @@ def mixed_phases(schedule: str, seed: int = 0, *, setting: int = 0) -> list[tupl
     return phases
 
 
+def batch1_workloads(per_category: int) -> dict[str, tuple[list[str], list[float]]]:
+    """The batch-1 workloads of the baseline and strategy benchmarks: {name: (prompt texts, one
+    temperature per prompt)} for ``code``, ``prose``, ``copy``, ``creative`` (``per_category``
+    prompts each, setting 0) and ``mixed-T0`` / ``mixed-T1`` (the first ``per_category`` of the
+    interleaved mix at concurrency 1, settings 0 and 1: whole blocks of four when it is a multiple of 4)."""
+    out = {}
+    for name in ("code", "prose", "copy", "creative"):
+        prompts = category_prompts(name, per_category, setting=0)
+        out[name] = ([p.text for p in prompts], [p.temperature for p in prompts])
+    for setting in (0, 1):
+        ((prompts, _concurrency),) = mixed_phases("c1", setting=setting)
+        prompts = prompts[:per_category]
+        out[f"mixed-T{setting}"] = ([p.text for p in prompts], [p.temperature for p in prompts])
+    return out
+
+
 def phase_texts(phases: list[tuple[list[Prompt], int]]) -> list[tuple[list[str], int]]:
     """[(prompts, concurrency)] -> [(prompt texts, concurrency)], what ``bench.run_phases`` takes."""
     return [([p.text for p in prompts], concurrency) for prompts, concurrency in phases]

@@ -110,8 +110,8 @@ class SpecPluginConfig:
     # tokens per unit of step time from the request's measured acceptance. Keys: the matcher's
     # max_match (16), min_match (2), max_occurrences (64), min_token_prob (0.1), corpus_requests
     # (32: finished requests matched too; 0: own context only); the choice's draft_cost (c, 0.12),
-    # verify_cost (v, 0.07), ema_weight (0.3), suffix_prior (0.5), model_prior (0.6),
-    # population_weight (0.05), probe_every (8), model_gamma (null: num_speculative_tokens; the
+    # verify_cost (v, 0.07), ema_weight (0.1), suffix_prior (0.5), model_prior (0.6),
+    # population_weight (0.05), probe_every (4), model_gamma (null: num_speculative_tokens; the
     # draft models' γ, while the suffix drafts up to num_speculative_tokens). Not with
     # adaptive_gamma or tree_drafting.
     suffix_drafting: dict | None = None

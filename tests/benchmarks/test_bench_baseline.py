@@ -35,7 +35,7 @@ from vllm_specplugin.throughput.bench import (
     plugin_config,
     served_fixture,
 )
-from vllm_specplugin.throughput.workloads import category_prompts, mixed_phases
+from vllm_specplugin.throughput.workloads import batch1_workloads
 
 pytestmark = [pytest.mark.server]
 
@@ -72,20 +72,7 @@ if os.environ.get("BENCH_STRATEGIES"):
     CONFIGS += STRATEGIES
 
 
-def _workloads() -> dict[str, tuple[list[str], list[float]]]:
-    """{name: (prompt texts, one temperature per prompt)}."""
-    out = {}
-    for name in ("code", "prose", "copy", "creative"):
-        prompts = category_prompts(name, PROMPTS_PER_CATEGORY, setting=0)
-        out[name] = ([p.text for p in prompts], [p.temperature for p in prompts])
-    for setting in (0, 1):
-        ((prompts, _concurrency),) = mixed_phases("c1", setting=setting)
-        prompts = prompts[:PROMPTS_PER_CATEGORY]  # whole blocks of four: one request of each category
-        out[f"mixed-T{setting}"] = ([p.text for p in prompts], [p.temperature for p in prompts])
-    return out
-
-
-WORKLOADS = _workloads() if os.path.isdir(FAMILY) else {}
+WORKLOADS = batch1_workloads(PROMPTS_PER_CATEGORY) if os.path.isdir(FAMILY) else {}
 served = served_fixture(CONFIGS, target=os.path.join(FAMILY, "target"))
 
 

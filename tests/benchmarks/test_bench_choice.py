@@ -28,7 +28,7 @@ import os
 import pytest
 
 from vllm_specplugin.throughput.bench import MODELS, ServedConfig, benchmark_workload, plugin_config, served_fixture
-from vllm_specplugin.throughput.workloads import category_prompts, mixed_phases
+from vllm_specplugin.throughput.workloads import batch1_workloads
 
 pytestmark = [pytest.mark.server]
 
@@ -59,20 +59,7 @@ CONFIGS = [
 ]
 
 
-def _workloads() -> dict[str, tuple[list[str], list[float]]]:
-    """{name: (prompt texts, one temperature per prompt)}: the baseline's."""
-    out = {}
-    for name in ("code", "prose", "copy", "creative"):
-        prompts = category_prompts(name, PROMPTS_PER_CATEGORY, setting=0)
-        out[name] = ([p.text for p in prompts], [p.temperature for p in prompts])
-    for setting in (0, 1):
-        ((prompts, _concurrency),) = mixed_phases("c1", setting=setting)
-        prompts = prompts[:PROMPTS_PER_CATEGORY]
-        out[f"mixed-T{setting}"] = ([p.text for p in prompts], [p.temperature for p in prompts])
-    return out
-
-
-WORKLOADS = _workloads() if os.path.isdir(FAMILY) else {}
+WORKLOADS = batch1_workloads(PROMPTS_PER_CATEGORY) if os.path.isdir(FAMILY) else {}
 served = served_fixture(CONFIGS, target=os.path.join(FAMILY, "target"))
 SELECTED = os.environ.get("BENCH_WORKLOADS", "code,prose,copy,creative,mixed-T0,mixed-T1").split(",")
 
