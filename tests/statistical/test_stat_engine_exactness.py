@@ -1097,6 +1097,14 @@ def test_tensor_parallel_plugin_is_exact(peaked_target, peaked_draft, reference,
 # --- suffix drafting and the drafter choice (issue 31 items 2-3) ------------------------------
 
 
+# The defaults but a larger corpus (the T > 0 cases have 3000 samples per prompt).
+SUFFIX_CHOICE = {"corpus_requests": 64}
+# The cases where suffix drafts must have been verified: at T >= 1 the choice learns within the run
+# that they rarely pay here and drafts few or none (5 Dec: 144 and 0 of ~13000 request-steps at
+# T = 1 and 1.3), so those cases test mostly the model path and the choice itself.
+SUFFIX_REQUIRED_TEMPERATURES = (0.0, 0.7)
+
+
 def test_suffix_drafting_with_the_drafter_choice_is_exact(peaked_target, peaked_draft, reference):
     """``suffix_drafting`` on the plugin's draft: per request and step the suffix drafter (one-hot q),
     the draft model at the γ the choice picks, or nothing, in one engine. T = 0 (every token the
@@ -1106,20 +1114,20 @@ def test_suffix_drafting_with_the_drafter_choice_is_exact(peaked_target, peaked_
     seeded request at T > 0 is matched against its own context only, which on these random
     prompts seldom matches). Outputs stay independent draws of the target: a request's drafts
     depend only on requests already finished, and given them its output is the target's. The
-    counters must show both drafters verified in every case, and suffix drafts accepted."""
+    counters must show model drafts verified in every case and suffix drafts verified and accepted
+    at T = 0 and 0.7 (SUFFIX_REQUIRED_TEMPERATURES)."""
     samplings = [sampling(t) if t == 0 else dataclasses.replace(sampling(t), seed=None)
                  for t in SUFFIX_CHOICE_TEMPERATURES]
     report = run_honest(
         "honest_suffix_choice", peaked_target, samplings, reference,
         speculative_config=ENSEMBLE_PROPOSER,
-        additional_config={"specplugin": {"drafts": [peaked_draft], "suffix_drafting": {"corpus_requests": 64}}},
+        additional_config={"specplugin": {"drafts": [peaked_draft], "suffix_drafting": SUFFIX_CHOICE}},
     )
     for case in report.cases:
         counters = case.plugin_counters or {}
         print(f"{case.name}: suffix steps {counters.get('choice_suffix_steps')}, model steps "
               f"{counters.get('choice_model_steps')}, none {counters.get('choice_none_steps')}, suffix tokens "
               f"{counters.get('suffix_accepted_tokens')} / {counters.get('suffix_drafted_tokens')} accepted")
-        assert counters.get("choice_suffix_steps", 0) > 0 and counters.get("choice_model_steps", 0) > 0, counters
-    # Accepted suffix drafts over the run (at T = 1.3 two runs accepted 23 of 313 and 2 of 48: too
-    # few to require in every case).
-    assert sum((case.plugin_counters or {}).get("suffix_accepted_tokens", 0) for case in report.cases) > 0
+        assert counters.get("choice_model_steps", 0) > 0, counters
+        if case.sampling["temperature"] in SUFFIX_REQUIRED_TEMPERATURES:
+            assert counters.get("choice_suffix_steps", 0) > 0 and counters.get("suffix_accepted_tokens", 0) > 0, counters
