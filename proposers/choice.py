@@ -14,8 +14,8 @@ speedup, with the verification's cost counted):
 per-token acceptance α, and A_m the request's measured accepted model drafts per step; c
 (``draft_cost``) is one model-draft token's forward over a plain target step and v
 (``verify_cost``) the target step's growth per verified draft token over a plain step (the
-benchmarks measure both: c and r = 1 + v·γ beside every figure). Where the text repeats (a greedy
-target that loops, code, copy-edits, a request seen before) the suffix wins at no draft cost; where
+benchmarks measure both: c and r = 1 + v·γ beside every figure). Where the text repeats (a request
+seen before, code, copy-edits, a greedy target that loops) the suffix wins at no draft cost; where
 it does not (sampling at T = 1, new prose), the model draft wins; where neither is accepted,
 nothing is drafted.
 
@@ -47,8 +47,8 @@ own α (starting from fixed priors, not from the population's), its own step cou
 context (the suffix drafter matches a seeded request at T > 0 against its own context only).
 Costs are configured, not timed. An unseeded request starts from the population's recent α, kept
 apart for greedy and sampled requests (a suffix draft that greedy requests accept nearly always is
-accepted with p(x) by a sampled one: served on a mixed T = 0 / T = 1 workload, one average for both
-started every T = 1 request on suffix drafts that failed).
+accepted with p(x) by a sampled one, so one average for both would start sampled requests on
+suffix drafts that fail).
 """
 
 from __future__ import annotations
