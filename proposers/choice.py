@@ -58,7 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
-from vllm_specplugin.proposers.metrics import accepted_count
+from vllm_specplugin.proposers.metrics import accepted_count, matched_prefix
 from vllm_specplugin.proposers.suffix import SuffixDrafter
 
 SUFFIX, MODEL, NONE = "suffix", "model", "none"
@@ -204,9 +204,6 @@ class DrafterChoice(Proposer):
     def tracked_request_ids(self) -> set[str]:
         return set(self._states) | self.model.tracked_request_ids()
 
-    def empty_draft(self) -> Draft:
-        return Draft([], self.suffix.one_hot([]))
-
     # -- acceptance ------------------------------------------------------------------------
 
     def _state(self, request: DraftRequest) -> _RequestState:
@@ -240,9 +237,7 @@ class DrafterChoice(Proposer):
         emitted = list(request.context[state.context_length:])
         if emitted:
             drafted = state.suffix_tokens
-            matched = 0
-            while matched < min(len(drafted), len(emitted)) and drafted[matched] == emitted[matched]:
-                matched += 1
+            matched = matched_prefix(drafted, emitted)
             # Positions past the emitted tokens were not observed; past the first mismatch not tested.
             self._update(state, SUFFIX, matched, min(len(drafted), matched + 1, len(emitted)))
             if state.verified == SUFFIX and drafted and self.metrics is not None:

@@ -10,12 +10,17 @@ import time
 from dataclasses import dataclass, field
 
 
+def matched_prefix(drafted: list[int], emitted: list[int]) -> int:
+    """How many leading drafted tokens the emitted tokens repeat."""
+    matched = 0
+    while matched < min(len(drafted), len(emitted)) and drafted[matched] == emitted[matched]:
+        matched += 1
+    return matched
+
+
 def accepted_count(drafted: list[int], emitted: list[int]) -> int:
     """Drafts the target accepted: the emitted tokens start with them, then one token of its own."""
-    accepted = 0
-    while accepted < min(len(drafted), len(emitted) - 1) and drafted[accepted] == emitted[accepted]:
-        accepted += 1
-    return accepted
+    return min(matched_prefix(drafted, emitted), max(len(emitted) - 1, 0))
 
 
 @dataclass
