@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup test test-fast test-extended demo demo-repair models heads bench bench-compare bench-history soak docs clean arctic
+.PHONY: setup test test-fast test-extended demo demo-repair models heads heads-long bench bench-compare bench-history soak docs clean arctic
 
 setup:
 	@bash ci/setup_venv.sh
@@ -60,6 +60,12 @@ heads: setup
 	@$(PY) -m vllm_specplugin.models.heads --target models/demo-mb/target --out models/demo-mb/medusa --tokens 300000 --lr 2e-3 --save-every 10 --card models/demo-mb
 	@$(PY) -m vllm_specplugin.models.eagle --target models/demo/target --out models/demo/eagle --tokens 600000 --lr 2e-3 --save-every 20 --card models/demo
 	@$(PY) -m vllm_specplugin.models.eagle --target models/demo-mb/target --out models/demo-mb/eagle --tokens 300000 --lr 2e-3 --save-every 10 --card models/demo-mb
+
+# The long EAGLE head for the memory-bound target (issue 33): self-distillation on corpus text and the
+# target's own T = 1 continuations of it, draft steps 1-3 trained as served, the learning curve in the
+# card (models/demo-mb/eagle-long-curve.png). Hours on one thread; resumable (re-run to continue).
+heads-long: setup
+	@$(PY) -m vllm_specplugin.models.eagle --target models/demo-mb/target --out models/demo-mb/eagle-long --data self-corpus --self-pool 400000 --chain-steps 3 --tokens 5000000 --lr 2e-3 --save-every 20 --curve-every 150 --card models/demo-mb
 
 # The key table of docs/configuration.md, generated from SpecPluginConfig (tests/test_docs.py checks it).
 docs: setup

@@ -50,6 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import heads as H
+from . import measure as M
 
 CHAIN = 3  # draft positions measured autoregressively (teacher-forced)
 
@@ -154,29 +155,49 @@ class EagleHead(nn.Module):
         """Teacher-forced autoregressive drafting from every start i: step m (1-based) drafts token
         i+m+1 from the token x_{i+m} and the previous step's g (the real f_i at step 1), at position
         i+m-1. x [B, T], f [B, T, d] -> ``steps`` logits [B, N, V] with N = T - steps."""
+        return [logits for _, logits in self.chain_features(x, f, steps)]
+
+    def chain_features(self, x: torch.Tensor, f: torch.Tensor, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``chain`` with each step's feature: ``steps`` pairs (g [B, N, d], logits [B, N, V])."""
         N = x.shape[1] - steps
         pos = torch.arange(N)
         g, real = self.step(x[:, 1:1 + N], f[:, :N], pos)
-        out, extra = [g @ self.lm_head.T], []
+        out, extra = [(g, g @ self.lm_head.T)], []
         for m in range(2, steps + 1):
             g, kv = self.step(x[:, m:m + N], g, pos + m - 1, real=real, extra=extra)
             extra.append(kv)
-            out.append(g @ self.lm_head.T)
+            out.append((g, g @ self.lm_head.T))
         return out
 
 
-def eagle_loss(head: EagleHead, x: torch.Tensor, f: torch.Tensor, t_logp: torch.Tensor, reg_weight: float):
-    """KL(p_target(. | i+1) || q(. | g_i)) + reg_weight * smooth_L1(g_i, f_{i+1}), averaged over i."""
+def eagle_loss(head: EagleHead, x: torch.Tensor, f: torch.Tensor, t_logp: torch.Tensor, reg_weight: float,
+               chain_steps: int = 1):
+    """KL(p_target(. | i+1) || q(. | g_i)) + reg_weight * smooth_L1(g_i, f_{i+1}), averaged over i.
+
+    With ``chain_steps`` K > 1 the head is also trained on its own drafts' inputs, as it is served
+    (EAGLE-3's "training-time test" for an EAGLE-1 head): draft step m (fed the previous step's g, not
+    the target's feature) is scored against the target at position i+m, and the loss is the mean over
+    the K steps. Returns (loss, [kl, reg]) with kl and reg averaged over the steps."""
     V = t_logp.shape[-1]
-    g, logits = head(x[:, 1:], f[:, :-1])
-    kl = F.kl_div(F.log_softmax(logits, -1).reshape(-1, V), t_logp[:, 1:].reshape(-1, V),
-                  log_target=True, reduction="batchmean")
-    reg = F.smooth_l1_loss(g, f[:, 1:])
+    if chain_steps <= 1:
+        g, logits = head(x[:, 1:], f[:, :-1])
+        kl = F.kl_div(F.log_softmax(logits, -1).reshape(-1, V), t_logp[:, 1:].reshape(-1, V),
+                      log_target=True, reduction="batchmean")
+        reg = F.smooth_l1_loss(g, f[:, 1:])
+        return kl + reg_weight * reg, [kl.item(), reg.item()]
+    N = x.shape[1] - chain_steps
+    kls, regs = [], []
+    for m, (g, logits) in enumerate(head.chain_features(x, f, chain_steps), start=1):
+        kls.append(F.kl_div(F.log_softmax(logits, -1).reshape(-1, V), t_logp[:, m:m + N].reshape(-1, V),
+                            log_target=True, reduction="batchmean"))
+        regs.append(F.smooth_l1_loss(g, f[:, m:m + N]))
+    kl, reg = torch.stack(kls).mean(), torch.stack(regs).mean()
     return kl + reg_weight * reg, [kl.item(), reg.item()]
 
 
 @torch.no_grad()
-def eagle_acceptance(target, head: EagleHead, windows: torch.Tensor, start: int = 0, batch: int = 8) -> dict:
+def eagle_acceptance(target, head: EagleHead, windows: torch.Tensor, start: int = 0, batch: int = 8,
+                     steps: int = CHAIN) -> dict:
     """Teacher-forced on ``windows`` [N, T], starts i >= ``start``, draft step m = 1..CHAIN (token i+m+1):
 
     * ``T0``: step m's argmax == the target's argmax at position i+m (the inputs before it are the
@@ -185,7 +206,7 @@ def eagle_acceptance(target, head: EagleHead, windows: torch.Tensor, start: int 
       verification accepts with probability p(draft));
     * ``chain_T0``: steps 1..m all agree; on the target's greedy text that is the probability that drafts
       1..m are all accepted, and ``accepted_per_step_T0`` its sum."""
-    K = CHAIN
+    K = steps
     agree, pacc, chain = (torch.zeros(K, dtype=torch.float64) for _ in range(3))
     n = 0
     for b in range(0, len(windows), batch):
@@ -259,7 +280,22 @@ def card_markdown(card: dict, target_name: str, heads_name: str) -> list[str]:
          f"Held-out text: {m['heldout_text']['positions']} starts of {m['setup']['heldout_windows']} windows. "
          f"Target's greedy text: {m['setup']['greedy_prompts']} held-out prompts of "
          f"{m['setup']['greedy_prompt_len']} tokens, {m['setup']['greedy_new_tokens']} greedy tokens each.", ""]
-    return L + H.acceptance_table(m, [f"position {j + 1}" for j in range(K)])
+    return L + H.acceptance_table(m, [f"position {j + 1}" for j in range(K)]) + H.curve_markdown(card, heads_name)
+
+
+CURVE_STEPS = 5  # draft positions the learning curve measures (the card's table keeps CHAIN)
+
+
+def curve_fn(target, held: torch.Tensor, prompts: int = 8, new_tokens: int = 64):
+    """The learning curve's measurement: teacher-forced acceptance of ``CURVE_STEPS`` draft positions on
+    the target's greedy continuations of ``prompts`` held-out prompts (made once)."""
+    pr = M.heldout_windows(held, 48, prompts)[:, :-1].contiguous()
+    windows = H.greedy_windows(target, pr, new_tokens)
+
+    def measure_curve(head: EagleHead) -> dict:
+        r = eagle_acceptance(target, head, windows, start=pr.shape[1] - 1, steps=CURVE_STEPS)
+        return {"accepted_per_step_T0": r["accepted_per_step_T0"], "T0": r["T0"], "T1": r["T1"]}
+    return measure_curve
 
 
 def main(argv=None) -> int:
@@ -267,6 +303,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reg-weight", type=float, default=1.0,
                     help="weight of the smooth-L1 feature regression next to the KL (default 1.0)")
+    ap.add_argument("--chain-steps", type=int, default=1,
+                    help="train draft steps 1..K on the head's own features, as it drafts when served "
+                         "(default 1: step 1 only, EAGLE-1's objective)")
     H.common_args(ap, tokens=200_000)
     args = ap.parse_args(argv)
 
@@ -285,13 +324,15 @@ def main(argv=None) -> int:
         head = EagleHead(target_cfg, target.model.embed_tokens.weight, target.lm_head.weight)
         key = {k: getattr(args, k) for k in ("tokens", "batch", "seq", "lr", "seed", "reg_weight")}
         key["target"] = str(Path(args.target).resolve())
+        if args.chain_steps > 1 or args.data != "corpus":  # keys of earlier default runs unchanged
+            key.update(chain_steps=args.chain_steps, data=args.data, self_pool=args.self_pool)
 
         def batch_loss(x):
             f, t_logp = H.target_hidden_and_logp(target, x)
-            return eagle_loss(head, x, f, t_logp, args.reg_weight)
+            return eagle_loss(head, x, f, t_logp, args.reg_weight, args.chain_steps)
 
         head, stats = H.resumable_train(head, batch_loss, train_stream, args, key, "train eagle head",
-                                        "final_kl_reg")
+                                        "final_kl_reg", curve_fn=curve_fn(target, held) if args.curve_every else None)
         if head is None:
             H.log(f"stopped at step {stats['stopped_at_step']}; state in {stats['state']} (re-run to resume)")
             return 0

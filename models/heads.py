@@ -149,12 +149,15 @@ def heads_loss(heads: MedusaHeads, h: torch.Tensor, t_logp: torch.Tensor) -> tup
     return total, per
 
 
-def resumable_train(model: nn.Module, batch_loss, stream: torch.Tensor, args, key: dict, desc: str,
-                    parts_name: str, log=log) -> tuple[nn.Module | None, dict]:
+def resumable_train(model: nn.Module, batch_loss, stream, args, key: dict, desc: str,
+                    parts_name: str, log=log, curve_fn=None) -> tuple[nn.Module | None, dict]:
     """The shared training loop of the heads trainers (Medusa here, EAGLE in models/eagle.py): AdamW with
-    warm-up + cosine, random ``[batch, seq]`` windows of ``stream`` (seeded), grad clip 1, a resumable
-    state in ``args.work`` every ``args.save_every`` steps (keyed by ``key``: a changed setting starts
-    afresh). ``batch_loss(x [B, T] int64) -> (loss, parts: list[float])``. Returns (model, stats), or
+    warm-up + cosine, random ``[batch, seq]`` windows of ``stream`` (seeded; a list of streams: batch
+    row r from stream r mod n, so each stream gets an equal share), grad clip 1, a resumable state in
+    ``args.work`` every ``args.save_every`` steps (keyed by ``key``: a changed setting starts afresh).
+    ``batch_loss(x [B, T] int64) -> (loss, parts: list[float])``. With ``curve_fn(model) -> dict`` and
+    ``args.curve_every`` > 0, the learning curve: ``curve_fn`` every ``curve_every`` steps and at the end,
+    kept in the state and returned in stats["curve"]. Returns (model, stats), or
     (None, {stopped_at_step, state}) under ``--stop-after`` (tests)."""
     from .train import _lr_at, make_optimizer
 
@@ -164,24 +167,37 @@ def resumable_train(model: nn.Module, batch_loss, stream: torch.Tensor, args, ke
     args.work.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     state_path = args.work / f"{Path(args.out).name}-{digest}.pt"
-    start, wall0, ema = 0, 0.0, None
+    start, wall0, ema, curve = 0, 0.0, None, []
     if state_path.exists():
         st = torch.load(state_path)
         if st["key"] == key:
             model.load_state_dict(st["heads"])
             opt.load_state_dict(st["opt"])
-            start, wall0, ema = st["step"], st["wall_s"], st["ema"]
+            start, wall0, ema, curve = st["step"], st["wall_s"], st["ema"], st.get("curve", [])
             log(f"resuming from {state_path} at step {start}/{steps}")
     g = torch.Generator().manual_seed(args.seed + 1_000_003)
-    hi = len(stream) - args.seq - 1
+    streams = list(stream) if isinstance(stream, (list, tuple)) else [stream]
+    rows = [list(range(j, args.batch, len(streams))) for j in range(len(streams))]
+    every = getattr(args, "curve_every", 0) if curve_fn is not None else 0
+
+    def point(step: int) -> None:
+        model.eval()
+        curve.append({"step": step, "train_tokens": step * args.batch * args.seq, **curve_fn(model)})
+        model.train()
+        log(f"curve at step {step}: {curve[-1]}")
     t0 = time.time()
     per, trained = [], 0
     bar = tqdm(range(steps), total=steps, initial=0, desc=desc, mininterval=15, unit="step", ncols=100)
     for step in bar:
-        starts = torch.randint(0, hi, (args.batch,), generator=g)  # drawn even when skipped: same data order
+        # Drawn even when skipped: the same data order after a resume.
+        starts = [torch.randint(0, len(s) - args.seq - 1, (len(r),), generator=g) for s, r in zip(streams, rows)]
         if step < start:
             continue
-        x = stream[starts[:, None] + torch.arange(args.seq)[None, :]].long()
+        if every and step == 0:
+            point(0)
+        x = torch.empty(args.batch, args.seq, dtype=torch.long)
+        for s, r, st0 in zip(streams, rows, starts):
+            x[r] = s[st0[:, None] + torch.arange(args.seq)[None, :]].long()
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, steps, args.lr, warmup)
         loss, per = batch_loss(x)
@@ -192,9 +208,11 @@ def resumable_train(model: nn.Module, batch_loss, stream: torch.Tensor, args, ke
         trained += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
+        if every and ((step + 1) % every == 0 or step + 1 == steps):
+            point(step + 1)
         if (step + 1) % args.save_every == 0 and step + 1 < steps:
             torch.save({"key": key, "heads": model.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "wall_s": wall0 + time.time() - t0, "ema": ema}, state_path)
+                        "wall_s": wall0 + time.time() - t0, "ema": ema, "curve": curve}, state_path)
             if args.stop_after and step + 1 >= args.stop_after:  # tests: a run stopped after a saved state
                 bar.close()
                 return None, {"stopped_at_step": step + 1, "state": str(state_path)}
@@ -204,6 +222,8 @@ def resumable_train(model: nn.Module, batch_loss, stream: torch.Tensor, args, ke
              "resumed_from_step": start, "steps_trained_this_run": trained,
              "final_loss_ema": round(ema, 4), parts_name: [round(v, 4) for v in per],
              "threads": torch.get_num_threads(), **{k: v for k, v in key.items() if k != "target"}}
+    if curve:
+        stats["curve"], stats["curve_every"] = curve, every
     return model, stats
 
 
@@ -437,22 +457,105 @@ def sample_stream(target, tokens: int, seed: int, seq: int = 128, batch: int = 1
     return torch.cat(out)
 
 
-def training_data(target, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train stream, held-out stream) int64 for ``--data corpus|self`` (shared by the heads trainers)."""
-    if args.data == "corpus":
+@torch.no_grad()
+def corpus_continuations(target, corpus: torch.Tensor, tokens: int, seed: int, work: Path, key: str,
+                         prompt_len: int = 32, seq: int = 256, batch: int = 32) -> torch.Tensor:
+    """``--data self-corpus``: the target's own T = 1 continuations of corpus prompts (``prompt_len``
+    tokens of ``corpus`` at seeded random offsets, continued to ``seq`` tokens), concatenated into one
+    int64 stream of >= ``tokens`` tokens. Generated in shards of ``batch`` rows, each saved under
+    ``work`` as it is made (an interrupted build resumes; HF generate runs at about 400 tok/s on one
+    thread here for the 31.5 M target, so 0.4 M tokens take about 17 min)."""
+    shard_dir = Path(work) / f"selfgen-{key}"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    n_shards = -(-tokens // (batch * seq))
+    out = []
+    for k in tqdm(range(n_shards), desc="target continuations", unit="shard", mininterval=15, ncols=100):
+        path = shard_dir / f"shard-{k:05d}.pt"
+        if path.exists():
+            out.append(torch.load(path).long().reshape(-1))
+            continue
+        g = torch.Generator().manual_seed(seed * 1_000_003 + k)
+        starts = torch.randint(0, len(corpus) - prompt_len, (batch,), generator=g)
+        prompts = corpus[starts[:, None] + torch.arange(prompt_len)[None, :]].long()
+        torch.manual_seed(seed * 1_000_003 + k)
+        ids = target.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                              max_new_tokens=seq - prompt_len, min_new_tokens=seq - prompt_len, do_sample=True,
+                              temperature=1.0, top_k=0, top_p=1.0, pad_token_id=target.config.pad_token_id or 0)
+        torch.save(ids.to(torch.int32), path)
+        out.append(ids.reshape(-1))
+    return torch.cat(out)
+
+
+def training_data(target, args) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
+    """(train stream(s), held-out stream) int64 for ``--data corpus|self|self-corpus`` (shared by the
+    heads trainers). ``self-corpus`` returns two train streams, corpus text and the target's own
+    continuations of it, which the training loop draws in equal shares."""
+    if args.data in ("corpus", "self-corpus"):
         from .grow import streams
         train_stream, held = streams(tok_mod.load_tokenizer(args.target))
+        if args.data == "self-corpus":
+            key = hashlib.sha1(f"{Path(args.target).resolve()}|{args.seed}|{args.self_pool}".encode()).hexdigest()[:10]
+            own = corpus_continuations(target, train_stream, args.self_pool, args.seed, args.work, key)
+            log(f"self-corpus: {len(own)} tokens of the target's own continuations")
+            train_stream = [train_stream, own]
     else:
         train_stream = sample_stream(target, args.tokens + args.seq + 1, seed=args.seed)
         held = sample_stream(target, 256 * (args.eval_windows + 1), seed=args.seed + 1)
+    n_train = sum(len(s) for s in train_stream) if isinstance(train_stream, list) else len(train_stream)
     log(f"target {args.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.2f} M params; "
-        f"corpus {len(train_stream)} train / {len(held)} held-out tokens")
+        f"corpus {n_train} train / {len(held)} held-out tokens")
     return train_stream, held
 
 
+def curve_png_name(heads_name: str) -> str:
+    return f"{Path(heads_name).name}-curve.png"
+
+
+def curve_markdown(card: dict, heads_name: str) -> list[str]:
+    """The learning-curve table (and plot) of a card whose training recorded one (``--curve-every``)."""
+    curve = card["train"].get("curve")
+    if not curve:
+        return []
+    K = len(curve[-1]["T0"])
+    L = ["", f"Learning curve (`--curve-every {card['train'].get('curve_every', '?')}`): teacher-forced acceptance "
+         f"of {K} draft positions on the target's greedy continuations of 8 held-out prompts (64 tokens each), "
+         "measured during training. Accepted/step = expected accepted drafts of a chain of "
+         f"{K} at T = 0; T1 = the target's probability of the first draft (greedy drafts).", "",
+         f"![learning curve]({curve_png_name(heads_name)})", "",
+         "| training tokens | accepted/step T = 0 | position 1 T = 0 | position 1 T = 1 |", "|---|---|---|---|"]
+    for c in curve:
+        L.append(f"| {c['train_tokens'] / 1e6:.2f} M | {c['accepted_per_step_T0']:.3f} | {c['T0'][0]:.3f} | {c['T1'][0]:.3f} |")
+    return L + [""]
+
+
+def plot_curve(card: dict, path: Path) -> None:
+    """PNG of accepted/step (T = 0) against training tokens."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = card["train"]["curve"]
+    x = [c["train_tokens"] / 1e6 for c in curve]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(x, [c["accepted_per_step_T0"] for c in curve], marker="o", label="accepted/step, T = 0")
+    ax.plot(x, [c["T0"][0] for c in curve], marker=".", label="position 1, T = 0")
+    ax.plot(x, [c["T1"][0] for c in curve], marker=".", label="position 1, T = 1")
+    ax.set_xlabel("training tokens (M)")
+    ax.set_title(f"{card.get('method', 'medusa')} head learning curve")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_card(args, card: dict) -> None:
-    """``heads_card.json`` in ``--out`` and, with ``--card``, the family card's section."""
+    """``heads_card.json`` in ``--out`` and, with ``--card``, the family card's section (and the learning
+    curve's PNG beside it when training recorded one)."""
     (args.out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
+    if args.card and card["train"].get("curve"):
+        Path(args.card).mkdir(parents=True, exist_ok=True)
+        plot_curve(card, Path(args.card) / curve_png_name(str(args.out)))
     if args.card:
         root = _names_root()
         rel = lambda p: str(p.resolve().relative_to(root)) if p.resolve().is_relative_to(root) else str(p)
@@ -474,9 +577,15 @@ def common_args(ap: argparse.ArgumentParser, tokens: int) -> None:
     ap.add_argument("--eval-windows", type=int, default=32, help="held-out windows for the card")
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for the greedy-text rows")
     ap.add_argument("--eval-new-tokens", type=int, default=64)
-    ap.add_argument("--data", choices=["corpus", "self"], default="corpus",
-                    help="training text: the demo corpus (default; needs the demo tokenizer) or the "
-                         "target's own T = 1 samples (any Llama target)")
+    ap.add_argument("--data", choices=["corpus", "self", "self-corpus"], default="corpus",
+                    help="training text: the demo corpus (default; needs the demo tokenizer), the "
+                         "target's own T = 1 samples (any Llama target), or self-corpus: half corpus text, "
+                         "half the target's own T = 1 continuations of corpus prompts (self-distillation)")
+    ap.add_argument("--self-pool", type=int, default=400_000,
+                    help="self-corpus: tokens of target continuations to generate (cached in --work)")
+    ap.add_argument("--curve-every", type=int, default=0,
+                    help="measure the learning curve (acceptance on the target's greedy text) every N "
+                         "steps (default 0: off)")
     ap.add_argument("--card", type=Path, default=None,
                     help="model-card dir to extend (MODEL_CARD.md + card.json), e.g. models/demo")
     ap.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # tests: interrupt here

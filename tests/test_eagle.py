@@ -138,3 +138,88 @@ def test_card_sections_of_both_methods_survive_a_rewrite(built):
     assert '"method": "eagle"' in md
     (name,) = json.loads((family / "card.json").read_text())["heads"]
     assert name.endswith("eagle")
+
+
+def test_chain_loss_scores_step_m_against_the_token_after_next(tmp_path):
+    """``--chain-steps``: draft step m from start i drafts token i+m+1, so its KL must be taken against
+    the target's distribution at position i+m. With a target distribution that is (smoothed) one-hot
+    on the window's next token, step m's KL is a cross-entropy on x[i+m+1], computed here from the
+    tokens alone; an off-by-one in the loss's alignment changes it."""
+    from vllm_specplugin.models.heads import check_llama
+    import torch.nn.functional as F
+
+    target = make_random_llama(tmp_path / "target", logit_scale=15.0, seed=0)
+    cfg = check_llama(target)
+    torch.manual_seed(0)
+    V, d, B, T, K = cfg["vocab_size"], cfg["hidden_size"], 2, 12, 3
+    head = E.EagleHead(cfg, torch.randn(V, d), torch.randn(V, d))
+    x, f = torch.randint(0, V, (B, T)), torch.randn(B, T, d)
+    nxt = torch.cat([x[:, 1:], x[:, :1]], 1)  # p at position j is about x[j + 1]
+    p = 0.9 * F.one_hot(nxt, V).double() + 0.1 / V
+    t_logp = p.log().float()
+    loss, (kl, _) = E.eagle_loss(head, x, f, t_logp, reg_weight=0.0, chain_steps=K)
+    N = T - K
+    want = []
+    for m, logits in enumerate(head.chain(x, f, K), start=1):
+        logq = F.log_softmax(logits, -1).double()
+        pm = p[:, m:m + N]
+        # x[i + m + 1]: the token step m drafts (past the window's end for the last start of step K)
+        k = min(N, T - m - 1)
+        assert torch.equal(pm.argmax(-1)[:, :k], x[:, m + 1:m + 1 + k])
+        want.append(((pm * (pm.log() - logq)).sum(-1)).mean())
+    torch.testing.assert_close(torch.tensor(kl, dtype=torch.float64), torch.stack(want).mean(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss.double(), torch.stack(want).mean(), rtol=1e-4, atol=1e-5)
+
+
+def test_self_corpus_data_and_learning_curve_resume(tmp_path):
+    """``--data self-corpus``: the target's continuations of corpus prompts, cached in shards (a re-run
+    generates nothing and gets the same tokens); training draws half of each batch from each stream;
+    ``--curve-every`` records the curve at step 0, every N steps and at the end, and a resumed run keeps
+    the points measured before the stop."""
+    target = make_random_llama(tmp_path / "target", logit_scale=15.0, seed=0)
+    model = H.load_target(target)
+    V = model.config.vocab_size
+    corpus = torch.randint(3, V, (5000,))
+    a = H.corpus_continuations(model, corpus, 2 * 4 * 32, seed=3, work=tmp_path / "w", key="k", prompt_len=8,
+                               seq=32, batch=4)
+    shards = sorted((tmp_path / "w" / "selfgen-k").iterdir())
+    assert len(shards) == 2 and a.shape == (2 * 4 * 32,)
+    rows = a.view(-1, 32)
+    text = "," + ",".join(map(str, corpus.tolist())) + ","
+    assert all("," + ",".join(map(str, r[:8].tolist())) + "," in text for r in rows)  # corpus prompts
+    mtimes = [s.stat().st_mtime_ns for s in shards]
+    b = H.corpus_continuations(model, corpus, 2 * 4 * 32, seed=3, work=tmp_path / "w", key="k", prompt_len=8,
+                               seq=32, batch=4)
+    assert torch.equal(a, b) and [s.stat().st_mtime_ns for s in shards] == mtimes
+
+    # Two streams with disjoint token ranges: even rows from the first, odd rows from the second.
+    s0, s1 = torch.randint(3, 100, (400,)), torch.randint(200, 300, (400,))
+    seen = []
+
+    class Args:
+        lr, tokens, batch, seq, seed, save_every, stop_after, curve_every = 1e-3, 4 * 16 * 6, 4, 16, 0, 2, 0, 2
+        work, out = tmp_path / "w2", tmp_path / "out"
+
+    lin = torch.nn.Linear(1, 1)
+
+    def batch_loss(xb):
+        seen.append(xb.clone())
+        return lin(xb[:, :1].float()).mean(), [0.0]
+
+    calls = []
+
+    def curve(m):
+        calls.append(1)
+        return {"accepted_per_step_T0": 0.0, "T0": [0.0], "T1": [0.0]}
+
+    args = Args()
+    args.stop_after = 4
+    model_out, st = H.resumable_train(lin, batch_loss, [s0, s1], args, {"k": 1}, "t", "p", log=lambda m: None,
+                                      curve_fn=curve)
+    assert model_out is None  # stopped after the state at step 4
+    assert all((xb[0::2] < 100).all() and (xb[1::2] >= 200).all() for xb in seen)
+    args.stop_after = 0
+    _, st = H.resumable_train(lin, batch_loss, [s0, s1], args, {"k": 1}, "t", "p", log=lambda m: None,
+                              curve_fn=curve)
+    assert [c["step"] for c in st["curve"]] == [0, 2, 4, 6]
+    assert st["resumed_from_step"] == 4 and len(calls) == 4
