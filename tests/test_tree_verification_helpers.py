@@ -321,14 +321,21 @@ def test_tree_rows_recomputed_from_the_paged_cache_and_compacted(isa, dtype, lay
                                      slot_mapping=slots)
     entry = tv.TreeEntry(1, "r", start, list(PARENTS), [-1, 5, 6, 1, 2, 3, 4], tree_attention_mask(PARENTS))
 
+    # What vLLM's kernel wrote for the tree rows before the recompute: causal attention in row order.
+    causal = _causal_rows(query[start:], key[start:], value[start:], prefix_k, prefix_v, impl.scale).to(dtype)
+
     def run(fault=None):
         step = tv.TreeStep([entry], layout, fault)
         output = torch.zeros(total, heads, dim, dtype=dtype)
+        output[start:] = causal
         tv._recompute_tree_rows(impl, step, layer, query, key, value, cache, metadata, output)
         return step, output
 
     step, output = run()
     assert not output[:start].any()
+    # The root row, the leading chain (here the root alone: PARENTS branches at once), is the
+    # kernel's causal row untouched; every later row is recomputed.
+    assert tv.leading_chain(PARENTS) == 2 and torch.equal(output[start:start + 2], causal[:2])
     expected = tv.tree_attention(query[start:], key[start:], value[start:], prefix_k, prefix_v,
                                  tree_attention_mask(PARENTS), impl.scale)
     assert torch.allclose(output[start:].float(), expected, atol=tolerance / 10)
@@ -406,10 +413,15 @@ def test_trees_of_a_batch_recomputed_together_equal_each_tree_alone(isa, dtype, 
                                      slot_mapping=slots)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     plain_row = rows_of[1][0] - 1
+    # What vLLM's kernel wrote for the tree rows: causal attention in row order over each prefix.
+    causal = {entry.req_id: _causal_rows(query[rows], key[rows], value[rows], *prefix, impl.scale).to(dtype)
+              for entry, rows, prefix in zip(entries, rows_of, prefixes)}
     for chunk_bytes in (tv.TREE_ATTENTION_CHUNK_BYTES, 1):  # all at once; one entry per call
         monkeypatch.setattr(tv, "TREE_ATTENTION_CHUNK_BYTES", chunk_bytes)
         step = tv.TreeStep(entries, layout, None)
         output = torch.zeros(total, heads, dim, dtype=dtype)
+        for entry, rows in zip(entries, rows_of):
+            output[rows] = causal[entry.req_id]
         for _ in range(2):  # two layers: the step's layout is computed once
             tv._recompute_tree_rows(impl, step, layer, query, key, value, cache, metadata, output)
         assert not output[plain_row].any()
@@ -421,7 +433,23 @@ def test_trees_of_a_batch_recomputed_together_equal_each_tree_alone(isa, dtype, 
             rtol = 1e-5 if dtype == torch.float32 else 2 ** -8
             assert torch.allclose(output[rows].float(), expected, atol=tolerance / 10, rtol=rtol), entry.req_id
             assert torch.equal(saved_k, key[rows]) and torch.equal(saved_slots, slots[rows])
+            lead = tv.leading_chain(entry.parents)  # the rows the kernel got right are left as it wrote them
+            assert torch.equal(output[rows[:lead]], causal[entry.req_id][:lead]), entry.req_id
         assert len(step.saved) == 2
+        assert [tv.leading_chain(entry.parents) for entry in entries] == [2, 4, 2]
+
+
+def _causal_rows(query, key, value, prefix_k, prefix_v, scale):
+    """Causal attention of rows in order over [prefix, the rows]: what vLLM's kernel computes for them."""
+    n = query.shape[0]
+    return tv.tree_attention(query, key, value, prefix_k, prefix_v, torch.ones(n, n, dtype=torch.bool).tril(), scale)
+
+
+def test_leading_chain():
+    assert tv.leading_chain([-1]) == 1
+    assert tv.leading_chain([-1, 0, 1, 2]) == 4  # a chain: every row is the kernel's
+    assert tv.leading_chain([-1, 0, 1, 1, 3]) == 3  # row 3 is row 2's sibling: it and all after it
+    assert tv.leading_chain([-1, 0, 0]) == 2
 
 
 def _fake_runner(tree_state=True):

@@ -248,11 +248,12 @@ def tree_attention_batch(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          scale: float) -> torch.Tensor:
     """:func:`tree_attention` for E trees at once, padded: one attention call, no loop.
 
-    ``query`` [E, N, H, D]; ``key``/``value`` [E, N, H_kv, D]; ``prefix_key``/``prefix_value``
+    ``query`` [E, M, H, D] (M <= N: the rows to compute, any subset of each tree's nodes);
+    ``key``/``value`` [E, N, H_kv, D] (every node of the tree); ``prefix_key``/``prefix_value``
     [E, L, H_kv, D], of which entry e's first ``prefix_lengths[e]`` rows are its prefix (the rest
     is padding, possibly garbage: zeroed before use, so a NaN there cannot leak); ``mask``
-    [E, N, N] bool (every row needs a True: padded rows attend to themselves). Returns
-    [E, N, H, D] float32.
+    [E, M, N] bool, query row against node (every row needs a True: padded rows attend to a real
+    node). Returns [E, M, H, D] float32.
     """
     entries, nodes, heads, _ = query.shape
     length = prefix_key.shape[1]
@@ -446,12 +447,23 @@ class _StepLayout:
     """Where a step's trees sit, computed at its first attention layer (the same for every layer)."""
 
     node_rows: torch.Tensor  # [E, N] int64: each node's token row (padding: the entry's root row)
-    real: torch.Tensor  # [E, N] bool: a node, not padding
     rows: torch.Tensor  # [sum of sizes] int64: the nodes' token rows, entry by entry
     sizes: list[int]  # [E] nodes per entry (root included)
     prefix_lengths: torch.Tensor  # [E] int64: n0, the root's position
     block_rows: torch.Tensor  # [E] int64: the entries' batch rows (their block table rows)
-    mask: torch.Tensor  # [E, N, N] bool: ancestor-or-self, padding rows attend to themselves
+    query_rows: torch.Tensor  # [E, M] int64: the token rows recomputed (padding: the entry's root row)
+    query_real: torch.Tensor  # [E, M] bool: a recomputed row, not padding
+    mask: torch.Tensor  # [E, M, N] bool: the recomputed rows' ancestors-or-self; padding rows see the root
+
+
+def leading_chain(parents: Sequence[int]) -> int:
+    """How many of a tree's first rows (root included) form a chain from the root: row i < k has
+    parent i - 1, so its ancestors-or-self are exactly rows 0..i, which is what the engine's causal
+    attention already gave that row. Those rows are not recomputed."""
+    k = 1
+    while k < len(parents) and parents[k] == k - 1:
+        k += 1
+    return k
 
 
 def _step_layout(step: TreeStep, attn_metadata) -> _StepLayout:
@@ -462,14 +474,24 @@ def _step_layout(step: TreeStep, attn_metadata) -> _StepLayout:
     starts = torch.tensor([entry.query_start for entry in entries], dtype=torch.int64)
     real = offsets[None, :] < torch.tensor(sizes)[:, None]
     node_rows = torch.where(real, starts[:, None] + offsets[None, :], starts[:, None])
-    mask = torch.eye(width, dtype=torch.bool).repeat(len(entries), 1, 1)
+    # Only the rows whose causal result is wrong are recomputed: from the first row off the leading
+    # chain on (a confident draft's tree is mostly chain, its siblings last).
+    leads = [leading_chain(entry.parents) for entry in entries]
+    counts = [n - lead for n, lead in zip(sizes, leads)]
+    height = max(counts)
+    query_real = torch.arange(height)[None, :] < torch.tensor(counts)[:, None]
+    first = torch.tensor(leads, dtype=torch.int64)
+    query_rows = torch.where(query_real, starts[:, None] + first[:, None] + torch.arange(height)[None, :], starts[:, None])
+    mask = torch.zeros(len(entries), height, width, dtype=torch.bool)
+    mask[:, :, 0] = True  # padding rows attend to the root (overwritten for real rows)
     for index, entry in enumerate(entries):
-        n = entry.num_nodes
-        mask[index, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril() if step.fault == "no_ancestor_mask" else entry.mask
+        n, lead = entry.num_nodes, leads[index]
+        full = torch.ones(n, n, dtype=torch.bool).tril() if step.fault == "no_ancestor_mask" else entry.mask
+        mask[index, :n - lead, :n] = full[lead:]
     block_rows = torch.tensor([entry.row for entry in entries], dtype=torch.int64)
     seq_lens = torch.as_tensor(attn_metadata.seq_lens).to("cpu", torch.int64)
     prefix_lengths = seq_lens[block_rows] - torch.tensor(sizes)
-    return _StepLayout(node_rows, real, node_rows[real], sizes, prefix_lengths, block_rows, mask)
+    return _StepLayout(node_rows, node_rows[real], sizes, prefix_lengths, block_rows, query_rows, query_real, mask)
 
 
 def _recompute_tree_rows(impl, step: TreeStep, layer, query, key, value, kv_cache, attn_metadata, output) -> None:
@@ -484,9 +506,10 @@ def _recompute_tree_rows(impl, step: TreeStep, layer, query, key, value, kv_cach
     device = query.device
     block = kv_cache.shape[2]
     heads_kv, dim = key.shape[1], key.shape[2]
-    per_entry = 2 * 4 * heads_kv * dim * (int(plan.prefix_lengths.max()) + plan.mask.shape[1])
+    per_entry = 2 * 4 * heads_kv * dim * (int(plan.prefix_lengths.max()) + plan.mask.shape[2])
     chunk = max(1, TREE_ATTENTION_CHUNK_BYTES // max(1, per_entry))
-    node_rows, real = plan.node_rows.to(device), plan.real.to(device)
+    node_rows = plan.node_rows.to(device)
+    query_rows, query_real = plan.query_rows.to(device), plan.query_real.to(device)
     for first in range(0, len(plan.sizes), chunk):
         part = slice(first, first + chunk)
         lengths = plan.prefix_lengths[part]
@@ -494,12 +517,12 @@ def _recompute_tree_rows(impl, step: TreeStep, layer, query, key, value, kv_cach
         table = attn_metadata.block_table[plan.block_rows[part].to(attn_metadata.block_table.device), :blocks]
         entries = table.shape[0]
         prefix_k, prefix_v = read_paged_kv(kv_cache, table.reshape(-1), entries * blocks * block, step.layout)
-        rows = node_rows[part]
+        rows, q_rows, q_real = node_rows[part], query_rows[part], query_real[part]
         out = tree_attention_batch(
-            query[rows], key[rows], value[rows],
+            query[q_rows], key[rows], value[rows],
             prefix_k.reshape(entries, blocks * block, heads_kv, dim), prefix_v.reshape(entries, blocks * block, heads_kv, dim),
             lengths, plan.mask[part], impl.scale)
-        output[rows[real[part]]] = out[real[part].to(out.device)].to(output.dtype)
+        output[q_rows[q_real]] = out[q_real.to(out.device)].to(output.dtype)
     rows = plan.rows.to(device)
     keys, values = key[rows].clone(), value[rows].clone()
     slots = attn_metadata.slot_mapping[rows.to(attn_metadata.slot_mapping.device)].to(torch.int64)
