@@ -215,7 +215,7 @@ class EnsembleProposer(Proposer):
             if gamma > 0 and request.context:
                 active.append((index, request, gamma))
         if active:
-            self._draft(active, drafts)
+            self.draw_chains(active, drafts)
         self.metrics.propose_calls += 1
         self.metrics.draft_time_s += time.perf_counter() - started
         self.sync_cost_counters()
@@ -225,7 +225,12 @@ class EnsembleProposer(Proposer):
         self.metrics.tokens_forwarded = sum(rt.tokens_forwarded for rt in self.runtimes)
         self.metrics.prefix_hit_tokens = sum(rt.prefix_cache.hit_tokens for rt in self.runtimes if rt.prefix_cache)
 
-    def _draft(self, active: list[tuple[int, DraftRequest, int]], drafts: list[Draft]) -> None:
+    def draw_chains(self, active: list[tuple[int, DraftRequest, int]], drafts: list[Draft]) -> None:
+        """The chain loop: for each (index, request, gamma) of ``active``, ``gamma`` tokens drawn one
+        after another from the processed mixture (argmax for greedy rows), written to
+        ``drafts[index]`` as Draft(tokens, rows [gamma, V] float32: the q each token was drawn
+        from). One batched forward per draft model per position. TreeProposer uses it for the
+        steps whose tree would be the chain."""
         ids = [request.request_id for _, request, _ in active]
         contexts = [list(request.context) for _, request, _ in active]
         gammas = [gamma for _, _, gamma in active]

@@ -51,6 +51,8 @@ class DraftMetrics:
     trees: int = 0
     tree_expected_best: float = 0.0
     tree_expected_greedy: float = 0.0
+    # Dynamic trees the calibrated model expected to be the chain, drafted by the chain loop.
+    tree_chain_steps: int = 0
     # Tree verification (vllm_specplugin/tree_verification.py): trees verified (request x step),
     # their draft nodes, accepted nodes, accepted nodes that were not their parent's first child
     # (what tree verification adds over a chain), and requests x steps drafted as a chain because
@@ -126,6 +128,7 @@ class DraftMetrics:
             "trees": self.trees,
             "tree_expected_best": self.tree_expected_best,
             "tree_expected_greedy": self.tree_expected_greedy,
+            "tree_chain_steps": self.tree_chain_steps,
             "tree_verify_steps": self.tree_verify_steps,
             "tree_nodes": self.tree_nodes,
             "tree_accepted_tokens": self.tree_accepted_tokens,

@@ -859,6 +859,9 @@ class TreeStats:
     # shape="dynamic": Σ the model's expected accepted length of what was submitted
     # (tree_expected_accepted_length for a tree, the path's for a chain), and of the trees built.
     model_expected_length: float = 0.0
+    # shape="dynamic", submitted trees at T > 0: steps whose tree would be the chain, drafted by the
+    # ensemble's chain loop instead of the tree builder (see TreeProposer._expect_chain).
+    chain_steps: int = 0
 
     def snapshot(self) -> dict:
         return dict(self.__dict__)
@@ -1048,6 +1051,11 @@ class TreeProposer(Proposer):
         for request in requests:
             self._observe(request)
         plans = [self._plan(request) for request in requests]
+        chains = [(index, plan) for index, plan in enumerate(plans)
+                  if isinstance(plan, _TreeGrowth) and self._expect_chain(plan)]
+        if chains:
+            for (index, _), draft in zip(chains, self._draw_chains([plan for _, plan in chains])):
+                plans[index] = draft
         growing = [plan for plan in plans if isinstance(plan, _TreeGrowth)]
         if growing:
             roots = self.ensemble.root_distributions([g.request_id for g in growing], [g.context for g in growing])
@@ -1059,6 +1067,63 @@ class TreeProposer(Proposer):
         self.metrics.draft_time_s += time.perf_counter() - started
         self.ensemble.sync_cost_counters()
         return drafts
+
+    @staticmethod
+    def _expect_chain(growth: _TreeGrowth) -> bool:
+        """Whether, for ``growth`` (a submitted dynamic tree of drawn children), the calibrated model
+        expects the chain of ``growth.depth`` nodes, decided before any draft row is seen: no node
+        off the chain is expected to be worth the chain's last node.
+
+        Per depth d, with the calibration's (agree, miss) fitted on the depth's mean confidence, the
+        chain's node d is expected to be worth v_d = prod over j <= d of (agree_j + (1 - agree_j)
+        (1 - miss_j) conf_j), and a second child at depth d at most v_(d-1) (1 - agree_d)(1 - miss_d)
+        (its r with q <= 1; later children and their subtrees are worth less). Without a calibration
+        drawn children get the chain anyway (the draft as proxy accepts every first child); a depth
+        whose confidence is not given (fitted per node) is left to the builder. The builder itself
+        would still hedge with a sibling after an unlikely draw (the realised values fall below the
+        expected ones); such a step is a chain here instead, drafted by the ensemble's chain loop,
+        the same draws the chain proposer makes, at its cost: on the memory-bound pair the builder
+        spent 45-67% more draft time than the chain loop for the same chains (batch 1 / 16, T = 1,
+        tests/benchmarks/test_bench_tree_shape.py, 5 Dec). Any shape chosen without the target is
+        exact, so this is a cost decision only; it depends on the request's own history alone."""
+        if not (growth.dynamic and growth.submit_tree and growth.sampled) or growth.depth < 1:
+            return False
+        if growth.alpha is None:
+            return True
+        chain = [1.0]
+        sibling = 0.0
+        for depth in range(1, growth.depth + 1):
+            measured, mean = _at_depth(growth.alpha, depth), _at_depth(growth.confidence, depth)
+            if measured is None or mean is None:
+                return False
+            agree, miss = acceptance_parameters(measured, mean)
+            spread = (1.0 - agree) * (1.0 - miss)
+            sibling = max(sibling, chain[-1] * spread)
+            chain.append(chain[-1] * (agree + spread * float(mean)))
+        return sibling <= chain[-1]
+
+    def _draw_chains(self, growths: list[_TreeGrowth]) -> list[Draft]:
+        """Chains of ``growth.depth`` drawn tokens (the ensemble's loop; rows are the q each token
+        was drawn from), recorded as the dynamic builder's drawn chains are: a chain tree for the
+        request's measured acceptance by depth, the rows handed to vLLM's chain sampler."""
+        drafts: list[Draft | None] = [None] * len(growths)
+        self.ensemble.draw_chains([(k, g.request, g.depth) for k, g in enumerate(growths)], drafts)
+        out = []
+        for growth, draft in zip(growths, drafts):
+            nodes = list(draft.token_ids)
+            if not nodes:
+                out.append(self.empty_draft())
+                continue
+            parents = list(range(-1, len(nodes)))
+            rows = torch.cat([torch.zeros(1, self.vocab_size, device=draft.probs.device), draft.probs.float()])
+            tree = TokenTree([-1] + nodes, parents, list(range(len(parents))), rows, rule="without_replacement")
+            self._pending[growth.request_id] = _Pending(len(growth.context), nodes, parents, tree)
+            self.last_trees[growth.request_id] = tree
+            self.stats.chain_steps += 1
+            self.metrics.tree_chain_steps += 1
+            self.stats.drafted_tokens += len(nodes)
+            out.append(Draft(nodes, draft.probs, parents=parents))
+        return out
 
     def _grow(self, growing: list[_TreeGrowth]) -> None:
         """Run every request's tree builder to its tree, answering all the paths they ask for at

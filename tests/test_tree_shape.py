@@ -809,6 +809,19 @@ class FakeEnsemble:
     def branch_distributions_of(self, items):
         return [torch.stack([self.q(tuple(p)) for p in paths]).float() for _, _, paths in items]
 
+    def draw_chains(self, active, drafts):
+        """EnsembleProposer.draw_chains over q(path): each token drawn from the processed row."""
+        from vllm_specplugin.proposers.base import Draft
+        from vllm_specplugin.proposers.sampling import processed_probs, sample
+
+        for index, request, gamma in active:
+            path, rows = [], []
+            for _ in range(gamma):
+                row = processed_probs(self.q(tuple(path)).float().log(), request.params)
+                path.append(int(row.argmax()) if request.params.greedy else int(sample(row, request.generator)))
+                rows.append(row)
+            drafts[index] = Draft(path, torch.stack(rows))
+
 
 def test_tree_proposer_default_shape_is_unchanged():
     ensemble = FakeEnsemble(flat_q(32, seed=3, spread=1.0), 32)
@@ -940,3 +953,42 @@ def test_tree_proposer_dynamic_shape_on_a_demo_draft():
     assert proposer.calibration("d")[0] is not None
     proposer.free("d")
     assert proposer.tracked_request_ids() == set()
+
+
+def test_expected_chain_steps_are_drawn_by_the_chain_loop():
+    """TreeProposer._expect_chain says "the chain" where, under the calibrated model's expected
+    values, nothing off the chain is worth its last node: for confident rows whose mean Σq² is the
+    calibration's confidence, the builder itself grows the chain for most seeds (it hedges with a
+    sibling only after an unlikely draw). Uncertain calibrations, per-node fits (confidence None)
+    and top-k children go to the builder. An expected-chain step is drafted by the ensemble's
+    chain loop and recorded as a chain tree for the request's measured acceptance."""
+    from vllm_specplugin.proposers.tree import _TreeGrowth
+
+    def growth(alpha, confidence, depth=8, sampled=True):
+        request = DraftRequest("r", [1, 2], depth, SamplingParams(temperature=1.0), None, True)
+        return _TreeGrowth(request, [1, 2], request.params, depth, depth, True, True, sampled, alpha, confidence)
+
+    q = confident_q(32, 0.9, seed=5)
+    mean_sq = float((q(()) ** 2).sum())
+    alpha = [0.97, 0.95, 0.93, 0.92]
+    assert TreeProposer._expect_chain(growth(None, None))  # the draft as proxy: only the chain has value
+    assert TreeProposer._expect_chain(growth(alpha, [mean_sq] * 4))
+    assert not TreeProposer._expect_chain(growth([0.5], [0.3]))  # an uncertain draft: the builder decides
+    assert not TreeProposer._expect_chain(growth(alpha, None))  # fitted per node: cannot bound before the rows
+    assert not TreeProposer._expect_chain(growth(alpha, [mean_sq] * 4, sampled=False))  # top-k: the builder
+    chains = sum(is_chain(build_dynamic_tree(
+        q(()).float(), lambda paths: torch.stack([q(tuple(p)) for p in paths]).float(), 8, 8, children="sampled",
+        alpha=alpha, confidence=[mean_sq] * 4, generator=torch.Generator().manual_seed(seed))) for seed in range(40))
+    assert chains >= 30, chains
+    proposer = TreeProposer(FakeEnsemble(q, 32), node_budget=8, verify="tree", shape="dynamic",
+                            alpha=alpha, confidence=[mean_sq] * 4)
+    request = DraftRequest("r", [1, 2], 8, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0), True)
+    draft = proposer.propose([request])[0]
+    tree = proposer.last_trees["r"]
+    assert proposer.stats.chain_steps == 1 and proposer.stats.trees == 0
+    assert is_chain(tree) and draft.parents == tree.parents and draft.token_ids == tree.tokens[1:]
+    assert torch.equal(draft.probs, tree.node_probs[1:]) and tree.rule == "without_replacement"
+    # The next step scores it: the request's measured acceptance by depth grows from the chain.
+    proposer.propose([DraftRequest("r", [1, 2] + draft.token_ids[:3] + [0], 8, SamplingParams(temperature=1.0),
+                                   torch.Generator().manual_seed(1), True)])
+    assert proposer._measured["r"].reached[:4] == [1, 1, 1, 1] and proposer._measured["r"].accepted[:4] == [1, 1, 1, 0]

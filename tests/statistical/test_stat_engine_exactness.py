@@ -616,7 +616,8 @@ def test_dynamic_tree_verification_is_exact(peaked_target, peaked_draft, unrelat
     for case in report.cases:
         counters = case.plugin_counters or {}
         print(f"{case.name}: trees verified {counters.get('tree_verify_steps')}, non-first children "
-              f"{counters.get('tree_non_first_child_accepted')}, chain fallbacks {counters.get('tree_chain_fallbacks')}")
+              f"{counters.get('tree_non_first_child_accepted')}, chain fallbacks {counters.get('tree_chain_fallbacks')}, "
+              f"expected chains drafted by the chain loop {counters.get('tree_chain_steps')}")
         assert counters.get("tree_verify_steps", 0) > 0, (case.name, counters)
     sampled = report.cases[-1].plugin_counters
     assert sampled.get("tree_non_first_child_accepted", 0) > 0, sampled
