@@ -271,7 +271,11 @@ def card_markdown(card: dict, target_name: str, heads_name: str) -> list[str]:
          f"of the target's {m['target_params'] / 1e6:.2f} M |",
          f"| checkpoint | {card['checkpoint_bytes'] / 1e6:.2f} MB bf16 safetensors |",
          f"| training | {s['train_tokens'] / 1e6:.2f} M tokens ({s['steps']} steps of {s['batch']} x {s['seq']}), "
-         f"lr {s['lr']}, {s['train_wall_s'] / 60:.1f} min on {s['threads']} thread(s) of a shared 2-core CPU |", "",
+         f"lr {s['lr']}, {s['train_wall_s'] / 60:.1f} min on {s['threads']} thread(s) of a shared 2-core CPU"
+         + (f"; exported from the run's state at step {s['steps']} of {s['planned_steps']} (the run goes on: "
+            "re-run the command to resume)" if s.get("interrupted") else "")
+         + (f"; data {s['data']}, draft steps 1-{s['chain_steps']} trained as served" if s.get("chain_steps") else "")
+         + " |", "",
          "Per-draft-position acceptance, exact, teacher-forced; EAGLE drafts autoregressively, so position m "
          "feeds the head its own feature from position m-1 and the window's token. *T = 0*: the draft's argmax "
          "equals the target's argmax. *T = 1*: the target's probability of the draft (greedy drafts, one-hot "
@@ -331,8 +335,11 @@ def main(argv=None) -> int:
             f, t_logp = H.target_hidden_and_logp(target, x)
             return eagle_loss(head, x, f, t_logp, args.reg_weight, args.chain_steps)
 
-        head, stats = H.resumable_train(head, batch_loss, train_stream, args, key, "train eagle head",
-                                        "final_kl_reg", curve_fn=curve_fn(target, held) if args.curve_every else None)
+        if args.export_state:
+            stats = H.export_state(head, args, key, "final_kl_reg")
+        else:
+            head, stats = H.resumable_train(head, batch_loss, train_stream, args, key, "train eagle head",
+                                            "final_kl_reg", curve_fn=curve_fn(target, held) if args.curve_every else None)
         if head is None:
             H.log(f"stopped at step {stats['stopped_at_step']}; state in {stats['state']} (re-run to resume)")
             return 0

@@ -165,8 +165,7 @@ def resumable_train(model: nn.Module, batch_loss, stream, args, key: dict, desc:
     steps = max(1, args.tokens // (args.batch * args.seq))
     warmup = max(1, min(50, steps // 10))
     args.work.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
-    state_path = args.work / f"{Path(args.out).name}-{digest}.pt"
+    state_path = state_file(args, key)
     start, wall0, ema, curve = 0, 0.0, None, []
     if state_path.exists():
         st = torch.load(state_path)
@@ -227,6 +226,35 @@ def resumable_train(model: nn.Module, batch_loss, stream, args, key: dict, desc:
     return model, stats
 
 
+def state_file(args, key: dict) -> Path:
+    """Where :func:`resumable_train` keeps the resumable state of a run with settings ``key``."""
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    return Path(args.work) / f"{Path(args.out).name}-{digest}.pt"
+
+
+def export_state(model: nn.Module, args, key: dict, parts_name: str) -> dict:
+    """``--export-state``: load the last resumable state of a run that has not finished into
+    ``model`` and return its stats (what :func:`resumable_train` returns, marked ``interrupted``),
+    so that a long run's head can be measured and shipped while it goes on (re-running the
+    training command still resumes from the same state)."""
+    path = state_file(args, key)
+    if not path.exists():
+        raise SystemExit(f"--export-state: no resumable state {path} for these settings")
+    st = torch.load(path)
+    if st["key"] != key:
+        raise SystemExit(f"--export-state: {path} holds another run's state")
+    model.load_state_dict(st["heads"])
+    steps = max(1, args.tokens // (args.batch * args.seq))
+    stats = {"steps": st["step"], "train_tokens": st["step"] * args.batch * args.seq, "train_wall_s": round(st["wall_s"], 1),
+             "interrupted": True, "planned_steps": steps, "planned_tokens": steps * args.batch * args.seq,
+             "final_loss_ema": round(st["ema"], 4), parts_name: [], "threads": args.threads,
+             **{k: v for k, v in key.items() if k != "target"}}
+    if st.get("curve"):
+        stats["curve"], stats["curve_every"] = st["curve"], args.curve_every
+    log(f"exported {path} at step {st['step']}/{steps}")
+    return stats
+
+
 def train_heads(target, stream: torch.Tensor, args, log=log) -> tuple[MedusaHeads, dict]:
     """Resumable, seeded, token-budgeted training; returns (heads, stats)."""
     d = target.config.hidden_size
@@ -239,6 +267,8 @@ def train_heads(target, stream: torch.Tensor, args, log=log) -> tuple[MedusaHead
         h, t_logp = target_hidden_and_logp(target, x)
         return heads_loss(heads, h, t_logp)
 
+    if getattr(args, "export_state", False):
+        return heads, export_state(heads, args, key, "final_kl_per_head")
     return resumable_train(heads, batch_loss, stream, args, key, "train medusa heads", "final_kl_per_head", log)
 
 
@@ -590,6 +620,9 @@ def common_args(ap: argparse.ArgumentParser, tokens: int) -> None:
                     help="model-card dir to extend (MODEL_CARD.md + card.json), e.g. models/demo")
     ap.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)  # tests: interrupt here
     ap.add_argument("--card-only", action="store_true", help="measure existing --out heads, rewrite the card")
+    ap.add_argument("--export-state", action="store_true",
+                    help="write --out (and the card) from the last resumable state of this command's run, "
+                         "which has not finished; re-running without it resumes the training")
 
 
 def main(argv=None) -> int:

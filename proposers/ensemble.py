@@ -26,7 +26,7 @@ import torch
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.draft_runtime import DraftBatch, DraftRuntime
 from vllm_specplugin.proposers.metrics import DraftMetrics, accepted_count
-from vllm_specplugin.proposers.sampling import processed_probs_rows, sample_rows
+from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs_rows, sample_rows
 
 # Defaults of the EnsembleProposer parameters of the same names (documented there).
 FORGETTING = 0.01
@@ -225,12 +225,15 @@ class EnsembleProposer(Proposer):
         self.metrics.tokens_forwarded = sum(rt.tokens_forwarded for rt in self.runtimes)
         self.metrics.prefix_hit_tokens = sum(rt.prefix_cache.hit_tokens for rt in self.runtimes if rt.prefix_cache)
 
-    def draw_chains(self, active: list[tuple[int, DraftRequest, int]], drafts: list[Draft]) -> None:
+    def draw_chains(self, active: list[tuple[int, DraftRequest, int]], drafts: list[Draft],
+                    row_params: list[SamplingParams] | None = None) -> None:
         """The chain loop: for each (index, request, gamma) of ``active``, ``gamma`` tokens drawn one
         after another from the processed mixture (argmax for greedy rows), written to
         ``drafts[index]`` as Draft(tokens, rows [gamma, V] float32: the q each token was drawn
-        from). One batched forward per draft model per position. TreeProposer uses it for the
-        steps whose tree would be the chain."""
+        from). One batched forward per draft model per position. ``row_params`` (per active row):
+        process the rows with these instead of the requests' own (TreeProposer: T = 1 rows for a
+        greedy request's acceptance model; its tokens stay the argmax). TreeProposer uses it for
+        the steps whose tree would be the chain."""
         ids = [request.request_id for _, request, _ in active]
         contexts = [list(request.context) for _, request, _ in active]
         gammas = [gamma for _, _, gamma in active]
@@ -245,7 +248,7 @@ class EnsembleProposer(Proposer):
         for step in range(max(gammas)):
             per_draft = torch.stack([part.softmax(-1) for part in logits])  # [D, len(live), V]
             mixture = torch.einsum("bd,dbv->bv", weights[live], per_draft)
-            q = processed_probs_rows(mixture.log(), [active[r][1].params for r in live])
+            q = processed_probs_rows(mixture.log(), [(row_params[r] if row_params else active[r][1].params) for r in live])
             chosen = self._choose(q, [active[r][1] for r in live])
             own_top = per_draft.argmax(-1).T.tolist()  # [len(live), D]
             if self.adapt_weights:

@@ -1070,15 +1070,16 @@ class TreeProposer(Proposer):
 
     @staticmethod
     def _expect_chain(growth: _TreeGrowth) -> bool:
-        """Whether, for ``growth`` (a submitted dynamic tree of drawn children), the calibrated model
-        expects the chain of ``growth.depth`` nodes, decided before any draft row is seen: no node
-        off the chain is expected to be worth the chain's last node.
+        """Whether, for ``growth`` (a submitted dynamic tree: drawn children at T > 0, top-k at T = 0),
+        the calibrated model expects the chain of ``growth.depth`` nodes, decided before any draft
+        row is seen: no node off the chain is expected to be worth the chain's last node.
 
         Per depth d, with the calibration's (agree, miss) fitted on the depth's mean confidence, the
         chain's node d is expected to be worth v_d = prod over j <= d of (agree_j + (1 - agree_j)
         (1 - miss_j) conf_j), and a second child at depth d at most v_(d-1) (1 - agree_d)(1 - miss_d)
-        (its r with q <= 1; later children and their subtrees are worth less). Without a calibration
-        drawn children get the chain anyway (the draft as proxy accepts every first child); a depth
+        (its r with q <= 1 for a drawn child, q <= 1/2 for the second most likely; later children and
+        their subtrees are worth less). Without a calibration drawn children get the chain anyway (the
+        draft as proxy accepts every first child), top-k children the builder; a depth
         whose confidence is not given (fitted per node) is left to the builder. The builder itself
         would still hedge with a sibling after an unlikely draw (the realised values fall below the
         expected ones); such a step is a chain here instead, drafted by the ensemble's chain loop,
@@ -1086,10 +1087,13 @@ class TreeProposer(Proposer):
         spent 45-67% more draft time than the chain loop for the same chains (batch 1 / 16, T = 1,
         tests/benchmarks/test_bench_tree_shape.py, 5 Dec). Any shape chosen without the target is
         exact, so this is a cost decision only; it depends on the request's own history alone."""
-        if not (growth.dynamic and growth.submit_tree and growth.sampled) or growth.depth < 1:
+        greedy = growth.request.params.greedy
+        if not (growth.dynamic and growth.submit_tree and (growth.sampled or greedy)) or growth.depth < 1:
             return False
         if growth.alpha is None:
-            return True
+            return growth.sampled  # top-k without a measurement: EAGLE-2's values, the rows decide
+        # A second child's q: at most 1 when drawn, at most 1/2 when it is the second most likely.
+        second = 1.0 if growth.sampled else 0.5
         chain = [1.0]
         sibling = 0.0
         for depth in range(1, growth.depth + 1):
@@ -1098,7 +1102,7 @@ class TreeProposer(Proposer):
                 return False
             agree, miss = acceptance_parameters(measured, mean)
             spread = (1.0 - agree) * (1.0 - miss)
-            sibling = max(sibling, chain[-1] * spread)
+            sibling = max(sibling, chain[-1] * spread * second)
             chain.append(chain[-1] * (agree + spread * float(mean)))
         return sibling <= chain[-1]
 
@@ -1107,7 +1111,10 @@ class TreeProposer(Proposer):
         was drawn from), recorded as the dynamic builder's drawn chains are: a chain tree for the
         request's measured acceptance by depth, the rows handed to vLLM's chain sampler."""
         drafts: list[Draft | None] = [None] * len(growths)
-        self.ensemble.draw_chains([(k, g.request, g.depth) for k, g in enumerate(growths)], drafts)
+        # growth.params: the request's own, but T = 1 for a greedy request (its tokens stay the
+        # argmax; the T = 1 rows are what its acceptance model reads, as for the builder's trees).
+        self.ensemble.draw_chains([(k, g.request, g.depth) for k, g in enumerate(growths)], drafts,
+                                  row_params=[g.params for g in growths])
         out = []
         for growth, draft in zip(growths, drafts):
             nodes = list(draft.token_ids)
@@ -1116,13 +1123,17 @@ class TreeProposer(Proposer):
                 continue
             parents = list(range(-1, len(nodes)))
             rows = torch.cat([torch.zeros(1, self.vocab_size, device=draft.probs.device), draft.probs.float()])
-            tree = TokenTree([-1] + nodes, parents, list(range(len(parents))), rows, rule="without_replacement")
+            rule = "without_replacement" if growth.sampled else "one_hot"
+            tree = TokenTree([-1] + nodes, parents, list(range(len(parents))), rows, rule=rule)
             self._pending[growth.request_id] = _Pending(len(growth.context), nodes, parents, tree)
             self.last_trees[growth.request_id] = tree
             self.stats.chain_steps += 1
             self.metrics.tree_chain_steps += 1
             self.stats.drafted_tokens += len(nodes)
-            out.append(Draft(nodes, draft.probs, parents=parents))
+            # Drawn tokens: the rows they were drawn from (vLLM's min(1, p/q)); argmax tokens: one-hot.
+            probs = draft.probs if growth.sampled else torch.nn.functional.one_hot(
+                torch.tensor(nodes), self.vocab_size).float().to(draft.probs.device)
+            out.append(Draft(nodes, probs, parents=parents))
         return out
 
     def _grow(self, growing: list[_TreeGrowth]) -> None:

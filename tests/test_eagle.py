@@ -223,3 +223,25 @@ def test_self_corpus_data_and_learning_curve_resume(tmp_path):
                               curve_fn=curve)
     assert [c["step"] for c in st["curve"]] == [0, 2, 4, 6]
     assert st["resumed_from_step"] == 4 and len(calls) == 4
+
+
+def test_export_state_ships_an_unfinished_run_and_the_run_resumes(tmp_path):
+    """``--export-state`` writes the checkpoint and card from a run's last resumable state (marked
+    interrupted, with its learning curve so far); re-running the command then resumes the training
+    from that state rather than starting over."""
+    target = make_random_llama(tmp_path / "target", logit_scale=15.0, seed=0)
+    args = ["--target", str(target), "--out", str(tmp_path / "eagle"), "--data", "self", "--tokens", "1024",
+            "--batch", "4", "--seq", "32", "--eval-windows", "1", "--eval-prompts", "1", "--eval-new-tokens", "4",
+            "--save-every", "4", "--curve-every", "2", "--chain-steps", "2", "--work", str(tmp_path / "w")]
+    with pytest.raises(SystemExit, match="no resumable state"):
+        E.main(args + ["--export-state"])
+    assert E.main(args + ["--stop-after", "4"]) == 0
+    assert E.main(args + ["--export-state"]) == 0
+    card = json.loads((tmp_path / "eagle" / H.CARD_FILE).read_text())
+    assert card["train"]["interrupted"] and card["train"]["steps"] == 4 and card["train"]["planned_steps"] == 8
+    assert [c["step"] for c in card["train"]["curve"]] == [0, 2, 4]
+    exported = E.load_eagle(tmp_path / "eagle", H.load_target(target))
+    assert E.main(args) == 0
+    card = json.loads((tmp_path / "eagle" / H.CARD_FILE).read_text())
+    assert card["train"]["resumed_from_step"] == 4 and [c["step"] for c in card["train"]["curve"]] == [0, 2, 4, 6, 8]
+    assert not torch.equal(exported.fc.weight, E.load_eagle(tmp_path / "eagle", H.load_target(target)).fc.weight)

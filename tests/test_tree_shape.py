@@ -809,15 +809,15 @@ class FakeEnsemble:
     def branch_distributions_of(self, items):
         return [torch.stack([self.q(tuple(p)) for p in paths]).float() for _, _, paths in items]
 
-    def draw_chains(self, active, drafts):
+    def draw_chains(self, active, drafts, row_params=None):
         """EnsembleProposer.draw_chains over q(path): each token drawn from the processed row."""
         from vllm_specplugin.proposers.base import Draft
         from vllm_specplugin.proposers.sampling import processed_probs, sample
 
-        for index, request, gamma in active:
+        for k, (index, request, gamma) in enumerate(active):
             path, rows = [], []
             for _ in range(gamma):
-                row = processed_probs(self.q(tuple(path)).float().log(), request.params)
+                row = processed_probs(self.q(tuple(path)).float().log(), row_params[k] if row_params else request.params)
                 path.append(int(row.argmax()) if request.params.greedy else int(sample(row, request.generator)))
                 rows.append(row)
             drafts[index] = Draft(path, torch.stack(rows))
@@ -975,7 +975,7 @@ def test_expected_chain_steps_are_drawn_by_the_chain_loop():
     assert TreeProposer._expect_chain(growth(alpha, [mean_sq] * 4))
     assert not TreeProposer._expect_chain(growth([0.5], [0.3]))  # an uncertain draft: the builder decides
     assert not TreeProposer._expect_chain(growth(alpha, None))  # fitted per node: cannot bound before the rows
-    assert not TreeProposer._expect_chain(growth(alpha, [mean_sq] * 4, sampled=False))  # top-k: the builder
+    assert not TreeProposer._expect_chain(growth(alpha, [mean_sq] * 4, sampled=False))  # top-k at T > 0: the builder
     chains = sum(is_chain(build_dynamic_tree(
         q(()).float(), lambda paths: torch.stack([q(tuple(p)) for p in paths]).float(), 8, 8, children="sampled",
         alpha=alpha, confidence=[mean_sq] * 4, generator=torch.Generator().manual_seed(seed))) for seed in range(40))
@@ -992,3 +992,26 @@ def test_expected_chain_steps_are_drawn_by_the_chain_loop():
     proposer.propose([DraftRequest("r", [1, 2] + draft.token_ids[:3] + [0], 8, SamplingParams(temperature=1.0),
                                    torch.Generator().manual_seed(1), True)])
     assert proposer._measured["r"].reached[:4] == [1, 1, 1, 1] and proposer._measured["r"].accepted[:4] == [1, 1, 1, 0]
+
+
+def test_expected_chain_at_t0_is_the_argmax_chain_with_t1_rows_for_the_model():
+    """At T = 0 (top-k children, one-hot rule) a calibrated confident request's step is the argmax
+    chain, drafted by the chain loop: one-hot q for vLLM, the T = 1 rows kept for the acceptance
+    model; before any measurement the builder decides (EAGLE-2's values need the rows)."""
+    q = confident_q(32, 0.9, seed=5)
+    top = float(q(()).max())
+    proposer = TreeProposer(FakeEnsemble(q, 32), node_budget=8, verify="tree", shape="dynamic")
+    first = proposer.propose([DraftRequest("g", [1, 2], 8, GREEDY, tree_ok=True)])[0]
+    assert proposer.stats.chain_steps == 0 and proposer.stats.trees == 1  # no measurement yet: the builder
+    greedy_chain = TreeProposer(FakeEnsemble(q, 32), node_budget=8, verify="tree", shape="dynamic",
+                                alpha=[0.97, 0.95], confidence=[top, top])
+    draft = greedy_chain.propose([DraftRequest("g", [1, 2], 8, GREEDY, tree_ok=True)])[0]
+    tree = greedy_chain.last_trees["g"]
+    assert greedy_chain.stats.chain_steps == 1 and is_chain(tree) and tree.rule == "one_hot"
+    path = []
+    for _ in range(8):  # the argmax chain of q
+        path.append(int(q(tuple(path)).argmax()))
+    assert draft.token_ids == path
+    assert torch.equal(draft.probs, torch.nn.functional.one_hot(torch.tensor(path), 32).float())
+    assert abs(float(tree.node_probs[1].max()) - top) < 1e-6  # T = 1 rows, not one-hot
+    assert first.token_ids[0] == path[0]
