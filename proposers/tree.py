@@ -36,6 +36,7 @@ from vllm_specplugin.proposers.tree_verify import tree_children, tree_depths
 
 ROOT = 0
 TREE_CHILDREN = ("sampled", "topk")
+POPULATION_WINDOW = 2000  # first-child trials the population's acceptance by depth keeps (then halved)
 
 
 @dataclass
@@ -782,8 +783,8 @@ class DepthAcceptance:
     draft-as-proxy predictions (:func:`predicted_first_acceptance`).
     """
 
-    reached: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
+    reached: list[float] = field(default_factory=list)  # counts (halved by decay)
+    accepted: list[float] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)
 
     def record(self, depth: int, accepted: bool, predicted: float) -> None:
@@ -811,6 +812,14 @@ class DepthAcceptance:
             predicted = predicted_first_acceptance(tree.node_probs[first], tree.rule, tree.tokens[first])
             taken = index + 1 < len(path) and path[index + 1] == first
             self.record(tree.depths[node] + 1, taken, predicted)
+
+    def decay(self, window: int) -> None:
+        """Halve every count once the first depth holds ``window`` trials (a population estimate
+        that follows changing traffic)."""
+        if self.reached and self.reached[0] >= window:
+            self.reached = [r / 2 for r in self.reached]
+            self.accepted = [a / 2 for a in self.accepted]
+            self.predicted = [p / 2 for p in self.predicted]
 
     def estimate(self, prior: Sequence[float] | None = None, weight: float = 4.0,
                  prior_confidence: Sequence[float | None] | None = None,
@@ -952,7 +961,8 @@ class TreeProposer(Proposer):
       rejection sampling) or are the top-k (one-hot rule) as with the fixed shape. The
       calibration of a request is, in order: what :meth:`set_alpha` gave for it; else its own
       measured first-child acceptance by depth (:class:`DepthAcceptance`, from the outcomes of its
-      earlier drafts), shrunk toward ``alpha`` by ``calibration_weight`` pseudo-observations;
+      earlier drafts), shrunk toward ``alpha`` by ``calibration_weight`` pseudo-observations (without
+      ``alpha``, an unseeded request's toward the population's, measured over all unseeded requests);
       else ``alpha``, the population's acceptance by depth (a chain's, per position), with
       ``confidence``, the population's mean draft-as-proxy prediction over the same drafts
       (:func:`predicted_first_acceptance`; None: fitted per node, which makes every node's first
@@ -986,6 +996,9 @@ class TreeProposer(Proposer):
         self.calibration_weight = calibration_weight
         self._request_alpha: dict[str, tuple[list[float], list[float | None] | None]] = {}
         self._measured: dict[str, DepthAcceptance] = {}
+        # Every unseeded request's outcomes together: the prior a request's own estimate starts
+        # from (halved when it holds POPULATION_WINDOW first-child trials, so it follows the traffic).
+        self._population = DepthAcceptance()
         self.ensemble = ensemble
         self.node_budget = node_budget
         self.branching = branching
@@ -1033,12 +1046,18 @@ class TreeProposer(Proposer):
         _check_depth_values("confidence", confidence)
         self._request_alpha[request_id] = ([float(a) for a in alpha], None if confidence is None else list(confidence))
 
-    def calibration(self, request_id: str) -> tuple[list[float] | None, list[float | None] | None]:
-        """(alpha, confidence) the next dynamic tree of this request is grown with."""
+    def calibration(self, request_id: str, seeded: bool = False) -> tuple[list[float] | None, list[float | None] | None]:
+        """(alpha, confidence) the next dynamic tree of this request is grown with: its own measured
+        acceptance by depth, shrunk toward the configured ``alpha``, else (unseeded requests) toward
+        the population's, measured over every unseeded request's verified drafts; a seeded
+        request's calibration depends on its own history only (reproducibility)."""
         if request_id in self._request_alpha:
             return self._request_alpha[request_id]
-        return self._measured.get(request_id, DepthAcceptance()).estimate(self.alpha, self.calibration_weight,
-                                                                          self.confidence)
+        prior, prior_confidence = self.alpha, self.confidence
+        if prior is None and not seeded:
+            prior, prior_confidence = self._population.estimate()
+        return self._measured.get(request_id, DepthAcceptance()).estimate(prior, self.calibration_weight,
+                                                                          prior_confidence)
 
     @torch.no_grad()
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
@@ -1168,7 +1187,7 @@ class TreeProposer(Proposer):
         elif self.max_depth is not None:
             depth = min(depth, self.max_depth)
         sampled = submit_tree and not request.params.greedy and self.children == "sampled"
-        alpha, confidence = self.calibration(rid) if dynamic else (None, None)
+        alpha, confidence = self.calibration(rid, request.seeded) if dynamic else (None, None)
         return _TreeGrowth(request, context, params, depth, budget, submit_tree, dynamic, sampled, alpha, confidence)
 
     def _steps(self, growth: _TreeGrowth, root_q: torch.Tensor):
@@ -1249,9 +1268,15 @@ class TreeProposer(Proposer):
             self.metrics.record_outcome(depth, len(accepted))
             if pending.tree is not None:
                 self._measured.setdefault(request.request_id, DepthAcceptance()).observe(pending.tree, accepted)
+                if not request.seeded:
+                    self._population.observe(pending.tree, accepted)
+                    self._population.decay(POPULATION_WINDOW)
             return
         count = accepted_count(pending.tokens, emitted)
         self.metrics.record_outcome(len(pending.tokens), count)
         if pending.tree is not None:
             self._measured.setdefault(request.request_id, DepthAcceptance()).observe(
                 pending.tree, pending.path_nodes[:count], submitted=pending.path_nodes)
+            if not request.seeded:
+                self._population.observe(pending.tree, pending.path_nodes[:count], submitted=pending.path_nodes)
+                self._population.decay(POPULATION_WINDOW)

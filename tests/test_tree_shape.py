@@ -921,7 +921,9 @@ def test_tree_proposer_calibrates_each_request_from_its_outcomes():
     assert proposer.calibration("x")[0] == alpha
     assert "x" in proposer.tracked_request_ids()
     proposer.free("x")
-    assert "x" not in proposer.tracked_request_ids() and proposer.calibration("x") == (None, None)
+    assert "x" not in proposer.tracked_request_ids() and proposer.calibration("x", seeded=True) == (None, None)
+    # An unseeded request starts from the population's acceptance, measured over x's outcomes.
+    assert proposer.calibration("new")[0][0] > 0.8
     population = TreeProposer(ensemble, shape="dynamic", alpha=[0.9])
     assert population.calibration("y") == ([0.9], None)
     population = TreeProposer(ensemble, shape="dynamic", alpha=[0.9, 0.8], confidence=[0.5, None])
@@ -1015,3 +1017,29 @@ def test_expected_chain_at_t0_is_the_argmax_chain_with_t1_rows_for_the_model():
     assert torch.equal(draft.probs, torch.nn.functional.one_hot(torch.tensor(path), 32).float())
     assert abs(float(tree.node_probs[1].max()) - top) < 1e-6  # T = 1 rows, not one-hot
     assert first.token_ids[0] == path[0]
+
+
+def test_population_prior_for_unseeded_requests_only():
+    """Without a configured alpha, an unseeded request's calibration starts from the population's
+    measured acceptance by depth (all unseeded requests' outcomes); a seeded request's depends on
+    its own history only, so other traffic cannot change its trees."""
+    ensemble = FakeEnsemble(flat_q(8, seed=6, spread=1.0), 8)
+    proposer = TreeProposer(ensemble, node_budget=8, verify="tree", shape="dynamic")
+    context = [1, 2, 3]
+    proposer.propose([DraftRequest("x", context, 8, GREEDY, tree_ok=True)])
+    for _ in range(4):  # the target rejects every first child: the population learns a low alpha
+        context = context + [0]
+        proposer.propose([DraftRequest("x", context, 8, GREEDY, tree_ok=True)])
+    alpha, _ = proposer.calibration("fresh")
+    assert alpha is not None and alpha[0] < 0.5
+    assert proposer.calibration("fresh", seeded=True) == (None, None)
+    seeded = DraftRequest("s", [1, 2, 3], 8, GREEDY, tree_ok=True, seeded=True)
+    alone = TreeProposer(FakeEnsemble(flat_q(8, seed=6, spread=1.0), 8), node_budget=8, verify="tree", shape="dynamic")
+    assert proposer.propose([seeded])[0].parents == alone.propose([seeded])[0].parents
+    population = proposer._population
+    trials = population.reached[0]
+    assert trials == 4  # one first-child trial per scored step of x
+    population.decay(5)
+    assert population.reached[0] == 4
+    population.decay(4)  # halved once the window is full
+    assert population.reached[0] == 2
