@@ -46,6 +46,11 @@ class DraftRequest:
     # The request has its own seed: its text must then depend only on its own history (a drafter
     # may not let other requests or timings change what it drafts for it at temperature > 0).
     seeded: bool = False
+    # The target's hidden states (after its final norm) at context positions [hidden_start,
+    # hidden_start + n): those the target verified since the last call, [n, d] (float32 or the
+    # target's dtype). Only drafters that read the target's states (heads) use them; None: none.
+    hidden_states: torch.Tensor | None = None
+    hidden_start: int = 0
 
 
 class Proposer(abc.ABC):

@@ -108,29 +108,104 @@ class MultiDraftProposer(CustomClassAdapter):
         super().__init__(vllm_config)
         import torch
 
-        from vllm_specplugin.proposers.draft_runtime import DraftRuntime
-        from vllm_specplugin.proposers.ensemble import EnsembleProposer
-        from vllm_specplugin.proposers.choice import DrafterChoice
-        from vllm_specplugin.proposers.gamma import AdaptiveGamma
-        from vllm_specplugin.proposers.suffix import SuffixDrafter
-        from vllm_specplugin.proposers.tree import TreeProposer
         from vllm_specplugin.config import SpecPluginConfigError
-        from vllm_specplugin.draft_kernels import draft_kernels, draft_out_kernels
         from vllm_specplugin.metrics import MetricsPublisher
 
-        if not self.config.drafts:
+        if not self.config.drafts and not self.config.eagle_head:
             raise SpecPluginConfigError(
-                "drafts", f"{type(self).__name__} needs 1 to 3 draft checkpoint directories, got none"
+                "drafts", f"{type(self).__name__} needs 1 to 3 draft checkpoint directories (or eagle_head), got none"
             )
-        # SPECPLUGIN_DRAFT_FAULT (robustness tests) wraps this class from above: install.install(),
-        # at plugin load in every process, before the worker builds its proposer (faults.py).
         model_config = vllm_config.model_config
         device = torch.device(vllm_config.device_config.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.target_vocab_size = int(model_config.get_vocab_size())
+        self._target_states = None
+        self._draft_kernels = None
+        if self.config.eagle_head:
+            from vllm_specplugin.proposers.eagle_head import EagleHeadProposer
+
+            # The target's embedding and LM head come at load_model(); see there.
+            proposer = self.head = EagleHeadProposer(self.config.eagle_head, device=device)
+            runtimes, names, weights = [], [proposer.name], [1.0]
+            self.gamma_policy, choice, metrics = None, None, proposer.metrics
+            _check_parallelism(vllm_config, None)
+        else:
+            self.head = None
+            proposer, runtimes, names, weights, choice, metrics = self._build_drafts(vllm_config, model_config, device)
+        if proposer.vocab_size > self.target_vocab_size:
+            raise SpecPluginConfigError(
+                "eagle_head" if self.head else "drafts", f"the drafter's vocabulary ({proposer.vocab_size}) is larger "
+                f"than the target's ({self.target_vocab_size})",
+            )
+        # From here on the adapter uses only the Proposer interface (propose, free,
+        # tracked_request_ids, empty_draft, vocab_size), the metrics object and the runtimes'
+        # eviction counters.
+        self.proposer = proposer
+        self.metrics = metrics
+        self._runtimes = runtimes
+        self.device = device
+        self._batch_view = None
+        self._last_probs = None
+        self._generators: dict[str, object] = {}
+        # Unseeded rows draw from this generator, reseeded every step from the engine seed and the
+        # step count (the same on every TP rank), never from torch's default generator, which
+        # vLLM's sampler draws from for unseeded requests (tensor_parallel.py says why).
+        self._unseeded_generator = torch.Generator(device=device)
+        self._unseeded_base = int(getattr(model_config, "seed", None) or 0)
+        self._steps = 0
+        self._warned_no_shim = False
+        self._row_contexts: dict[int, list[int]] = {}  # shim off: the context each row-key drafted from
+        # Tree verification (vllm_specplugin/tree_verification.py): request id -> (node tokens
+        # [N - 1], parents [N]) of the trees drafted by the last propose(); read by the runner at
+        # the next step, when vLLM schedules those nodes as the request's draft tokens.
+        self.tree_plans: dict[str, tuple[list[int], list[int]]] = {}
+        self.consecutive_failures = 0
+        self.drafting_disabled = False
+        # The q buffer handed to vLLM (shim on): allocated once, before vLLM profiles memory, so
+        # that on CUDA its bytes come out of what --gpu-memory-utilization leaves for the KV cache.
+        self._q_buffer = None
+        self._q_rows_dirty = 0  # rows [:n] of the buffer may hold last step's q
+        if self.config.runner_shim:
+            max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+            self._q_buffer = torch.zeros(
+                max_num_seqs, self.num_speculative_tokens, self.target_vocab_size, dtype=torch.float32, device=device
+            )
+        self.metrics.draft_probs_buffer_bytes = self.q_buffer_bytes
+        label = "eagle head" if self.head else "ensemble" if len(runtimes) > 1 else "draft"
+        self.publisher = MetricsPublisher(self.metrics, f"{label}[{', '.join(names)}]")
+        if _tp_rank(vllm_config) > 0:
+            self.publisher.path = None  # every TP rank drafts the same: /metrics counts rank 0's only
+        logger.info(
+            "specplugin %s proposer: drafts %s, weights %s, k=%d, %s, %s, prefix sharing %s, dtype %s, "
+            "draft kernels %s, memory budget %d MiB, draft-probability buffer %s",
+            label, list(self.config.drafts) or [self.config.eagle_head], [round(w, 3) for w in weights],
+            self.num_speculative_tokens,
+            "fixed gamma" if self.gamma_policy is None else f"adaptive gamma {self.gamma_policy}",
+            ("chain drafting" if self.config.tree_drafting is None else f"tree drafting {self.config.tree_drafting}")
+            + ("" if choice is None else f", suffix drafting with drafter choice {self.config.suffix_drafting}"),
+            "on" if self.config.prefix_sharing else "off",
+            self.config.draft_dtype, "vLLM's CPU kernels (oneDNN products)" if self._draft_kernels else "torch's",
+            self.config.draft_memory_budget_mb,
+            "none (runner shim off)" if self._q_buffer is None else
+            f"{list(self._q_buffer.shape)} float32 on {device} = {self.q_buffer_bytes / 2**20:.1f} MiB",
+        )
+
+    def _build_drafts(self, vllm_config, model_config, device):
+        """The draft models and the strategies around them: (proposer, runtimes, names, weights, the
+        drafter choice or None, metrics)."""
+        from vllm_specplugin.proposers.choice import DrafterChoice
+        from vllm_specplugin.proposers.draft_runtime import DraftRuntime
+        from vllm_specplugin.proposers.ensemble import EnsembleProposer
+        from vllm_specplugin.proposers.gamma import AdaptiveGamma
+        from vllm_specplugin.proposers.suffix import SuffixDrafter
+        from vllm_specplugin.proposers.tree import TreeProposer
+        from vllm_specplugin.draft_kernels import draft_kernels, draft_out_kernels
+
+        # SPECPLUGIN_DRAFT_FAULT (robustness tests) wraps this class from above: install.install(),
+        # at plugin load in every process, before the worker builds its proposer (faults.py).
         budget = self.config.draft_memory_budget_mb / len(self.config.drafts)
-        kernels = draft_kernels(self.config.draft_kernels, device, self.config.draft_dtype)
+        kernels = self._draft_kernels = draft_kernels(self.config.draft_kernels, device, self.config.draft_dtype)
         runtimes = [
             DraftRuntime(
                 path,
@@ -162,63 +237,27 @@ class MultiDraftProposer(CustomClassAdapter):
         if choice is not None:
             suffix_settings, choice_policy = choice
             proposer = DrafterChoice(proposer, SuffixDrafter(proposer.vocab_size, suffix_settings), choice_policy)
-        if proposer.vocab_size > self.target_vocab_size:
+        return proposer, runtimes, ensemble.names, ensemble.weights.tolist(), choice, ensemble.metrics
+
+    def load_model(self, target_model=None, *args, **kwargs) -> None:
+        """vLLM hands over the target model: an EAGLE head shares its embedding and LM head (as vLLM's
+        own EAGLE does); draft models do not need it."""
+        if self.head is None:
+            return
+        inner = getattr(target_model, "model", None)
+        embed = getattr(getattr(inner, "embed_tokens", None), "weight", None)
+        lm_head = getattr(getattr(target_model, "lm_head", None), "weight", None)
+        if embed is None or lm_head is None:
+            from vllm_specplugin.config import SpecPluginConfigError
+
             raise SpecPluginConfigError(
-                "drafts", f"the drafts' vocabulary ({proposer.vocab_size}) is larger than the target's "
-                f"({self.target_vocab_size})",
-            )
-        # From here on the adapter uses only the Proposer interface (propose, free,
-        # tracked_request_ids, empty_draft, vocab_size), the metrics object and the runtimes'
-        # eviction counters.
-        self.proposer = proposer
-        self.metrics = ensemble.metrics
-        self._runtimes = runtimes
-        self.device = device
-        self._batch_view = None
-        self._last_probs = None
-        self._generators: dict[str, object] = {}
-        # Unseeded rows draw from this generator, reseeded every step from the engine seed and the
-        # step count (the same on every TP rank), never from torch's default generator, which
-        # vLLM's sampler draws from for unseeded requests (tensor_parallel.py says why).
-        self._unseeded_generator = torch.Generator(device=device)
-        self._unseeded_base = int(getattr(model_config, "seed", None) or 0)
-        self._steps = 0
-        self._warned_no_shim = False
-        self._row_contexts: dict[int, list[int]] = {}  # shim off: the context each row-key drafted from
-        # Tree verification (vllm_specplugin/tree_verification.py): request id -> (node tokens
-        # [N - 1], parents [N]) of the trees drafted by the last propose(); read by the runner at
-        # the next step, when vLLM schedules those nodes as the request's draft tokens.
-        self.tree_plans: dict[str, tuple[list[int], list[int]]] = {}
-        self.consecutive_failures = 0
-        self.drafting_disabled = False
-        # The q buffer handed to vLLM (shim on): allocated once, before vLLM profiles memory, so
-        # that on CUDA its bytes come out of what --gpu-memory-utilization leaves for the KV cache.
-        self._q_buffer = None
-        self._q_rows_dirty = 0  # rows [:n] of the buffer may hold last step's q
-        if self.config.runner_shim:
-            max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-            self._q_buffer = torch.zeros(
-                max_num_seqs, self.num_speculative_tokens, self.target_vocab_size, dtype=torch.float32, device=device
-            )
-        self.metrics.draft_probs_buffer_bytes = self.q_buffer_bytes
-        label = "ensemble" if len(runtimes) > 1 else "draft"
-        self.publisher = MetricsPublisher(self.metrics, f"{label}[{', '.join(ensemble.names)}]")
-        if _tp_rank(vllm_config) > 0:
-            self.publisher.path = None  # every TP rank drafts the same: /metrics counts rank 0's only
-        logger.info(
-            "specplugin %s proposer: drafts %s, weights %s, k=%d, %s, %s, prefix sharing %s, dtype %s, "
-            "draft kernels %s, memory budget %d MiB, draft-probability buffer %s",
-            label, list(self.config.drafts), [round(w, 3) for w in ensemble.weights.tolist()],
-            self.num_speculative_tokens,
-            "fixed gamma" if self.gamma_policy is None else f"adaptive gamma {self.gamma_policy}",
-            ("chain drafting" if self.config.tree_drafting is None else f"tree drafting {self.config.tree_drafting}")
-            + ("" if choice is None else f", suffix drafting with drafter choice {self.config.suffix_drafting}"),
-            "on" if self.config.prefix_sharing else "off",
-            self.config.draft_dtype, "vLLM's CPU kernels (oneDNN products)" if kernels else "torch's",
-            self.config.draft_memory_budget_mb,
-            "none (runner shim off)" if self._q_buffer is None else
-            f"{list(self._q_buffer.shape)} float32 on {device} = {self.q_buffer_bytes / 2**20:.1f} MiB",
-        )
+                "eagle_head", f"the target ({type(target_model).__name__}) has no model.embed_tokens.weight and "
+                "lm_head.weight for the head to share (a Llama-style target is needed)")
+        self.head.attach_target(embed, lm_head)
+
+    def set_target_states(self, states) -> None:
+        """The runner shim's :class:`~vllm_specplugin.runner_shim.TargetStates` for this step (or None)."""
+        self._target_states = states
 
     @property
     def q_buffer_bytes(self) -> int:
@@ -287,6 +326,7 @@ class MultiDraftProposer(CustomClassAdapter):
         num_rows = len(sampled_token_ids)
         rows: list[int] = []
         requests: list[DraftRequest] = []
+        states, self._target_states = self._target_states, None  # the runner shim's, for heads
         for row, num_tokens, room in self._drafting_rows(sampled_token_ids, num_tokens_no_spec):
             context = token_ids_cpu[row, :num_tokens].tolist()
             if view is None:
@@ -295,10 +335,26 @@ class MultiDraftProposer(CustomClassAdapter):
             else:
                 rid = view.req_ids[row]
                 tree_ok = bool(view.tree_ok[row]) if row < len(view.tree_ok) else False
+                hidden, start = None, 0
+                if states is not None:
+                    hidden, start = states.rows[row], states.starts[row]
                 requests.append(DraftRequest(rid, context, room, view.params[row], self._generator(rid, view.seeds[row]),
-                                             tree_ok=tree_ok, seeded=view.seeds[row] is not None))
+                                             tree_ok=tree_ok, seeded=view.seeds[row] is not None,
+                                             hidden_states=hidden, hidden_start=start))
             step_ids.append(rid)
             rows.append(row)
+        if states is not None and view is not None:
+            # A head keeps the states of rows that verified tokens but draft nothing this step (a
+            # prefill chunk before the prompt's last, no room left): its cache needs every position.
+            drafting = set(rows)
+            for row, hidden in enumerate(states.rows):
+                if hidden is not None and row not in drafting:
+                    rid = view.req_ids[row]
+                    context = token_ids_cpu[row, : int(num_tokens_no_spec[row])].tolist()
+                    requests.append(DraftRequest(rid, context, 0, view.params[row], hidden_states=hidden,
+                                                 hidden_start=states.starts[row]))
+                    step_ids.append(rid)
+                    rows.append(row)
         drafts = self.proposer.propose(requests)
         if len(drafts) != len(requests):
             raise RuntimeError(f"the proposer returned {len(drafts)} drafts for {len(requests)} requests")

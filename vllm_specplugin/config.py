@@ -59,6 +59,11 @@ class SpecPluginConfig:
     draft_free_sampler: str = "plain"
     # Local checkpoint directories of the draft models (1 to 3), for the draft proposers.
     drafts: tuple[str, ...] = ()
+    # A local EAGLE-1 head checkpoint (the directory vLLM's method "eagle" loads) to draft with
+    # instead of draft models (proposers/eagle_head.py): chains sampled from the head's distribution
+    # under each request's temperature / top-k / top-p, verified against that q (min(1, p/q); vLLM's
+    # own "eagle" drafts greedily). Needs the runner shim; not with drafts or the strategies.
+    eagle_head: str | None = None
     # Mixture weights of the drafts; default uniform. Must match `drafts` in length.
     draft_weights: tuple[float, ...] | None = None
     # dtype the drafts run in.
@@ -186,6 +191,8 @@ class SpecPluginConfig:
             values["draft_free_sampler"] = _choice(raw, "draft_free_sampler", ("plain", "rejection"))
         if "drafts" in raw:
             values["drafts"] = _draft_paths(raw["drafts"])
+        if raw.get("eagle_head") is not None:
+            values["eagle_head"] = _eagle_head(raw)
         if "draft_weights" in raw and raw["draft_weights"] is not None:
             values["draft_weights"] = _weights(raw["draft_weights"])
         if "draft_dtype" in raw:
@@ -234,6 +241,22 @@ class SpecPluginConfig:
                 f"has {len(config.draft_weights)} entries but 'drafts' has {len(config.drafts)}",
             )
         return config
+
+
+def _eagle_head(raw: Mapping) -> str:
+    value = raw["eagle_head"]
+    if not isinstance(value, str) or not value:
+        raise SpecPluginConfigError("eagle_head", f"expected a checkpoint directory (a string), got {value!r}")
+    if not os.path.isfile(os.path.join(value, "config.json")):
+        raise SpecPluginConfigError("eagle_head", f"{value!r} is not a checkpoint directory (no config.json)")
+    if raw.get("drafts"):
+        raise SpecPluginConfigError("eagle_head", "drafts with an EAGLE head: give one of them")
+    for other in ("adaptive_gamma", "tree_drafting", "suffix_drafting", "draft_weights"):
+        if raw.get(other) is not None:
+            raise SpecPluginConfigError("eagle_head", f"does not combine with {other} yet (the head drafts chains)")
+    if raw.get("runner_shim") is False:
+        raise SpecPluginConfigError("eagle_head", "needs the runner shim (it hands the head the target's hidden states)")
+    return value
 
 
 def _choice(raw: Mapping, field: str, choices: tuple[str, ...], name: str | None = None) -> str:

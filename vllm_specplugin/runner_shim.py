@@ -56,6 +56,56 @@ class BatchView:
     tree_ok: tuple[bool, ...] = ()
 
 
+@dataclass(frozen=True)
+class TargetStates:
+    """The target's final hidden states (after its last RMSNorm: what vLLM hands its own EAGLE and
+    Medusa proposers) at the positions it verified this step, per batch row.
+
+    ``rows[r]`` is ``[n_r, d]`` (the target's dtype, on the runner's device), a view of vLLM's
+    hidden-state buffer valid only during this ``propose`` call, for context positions
+    ``starts[r] .. starts[r] + n_r - 1``: every token the step computed for a prefill (chunk), and
+    for a decode step the row's input token and its accepted drafts (rejected drafts' states are
+    left out). None: no states for the row this step."""
+
+    starts: list[int]
+    rows: list[object]
+
+
+# GPUModelRunner.propose_draft_token_ids's parameters after self (compat.py checks them).
+PROPOSE_PARAMETERS = ("scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                      "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata",
+                      "common_attn_metadata", "slot_mappings")
+
+
+def target_states(runner, args: tuple, kwargs: dict) -> TargetStates:
+    """Slice this step's hidden states per batch row (see :class:`TargetStates`).
+
+    vLLM lays the step's tokens out row after row: row r's scheduled tokens are
+    ``hidden_states[query_start_loc[r]:query_start_loc[r + 1]]``, at positions from
+    ``input_batch.num_computed_tokens_cpu[r]`` (set before the step, advanced at the next one). Of
+    a row's ``n`` scheduled tokens ``num_draft`` are drafts; with ``s`` tokens sampled the first
+    ``n - num_draft + s - 1`` positions hold verified tokens (``s - 1`` drafts were accepted); a
+    row that sampled nothing (a prefill chunk before the prompt's last) verified all ``n``."""
+    named = dict(zip(PROPOSE_PARAMETERS, args))
+    named.update(kwargs)
+    hidden = named["hidden_states"]
+    sampled = named["sampled_token_ids"]
+    metadata = named["spec_decode_metadata"]
+    query_start = named["common_attn_metadata"].query_start_loc_cpu.tolist()
+    batch = runner.input_batch
+    num_rows = len(batch.req_ids)
+    num_drafts = list(metadata.num_draft_tokens) if metadata is not None else [0] * num_rows
+    starts, rows = [], []
+    for row in range(num_rows):
+        begin, end = int(query_start[row]), int(query_start[row + 1])
+        n = end - begin
+        got = len(sampled[row]) if isinstance(sampled, list) else 0
+        verified = n if got == 0 else n - int(num_drafts[row]) + got - 1
+        starts.append(int(batch.num_computed_tokens_cpu[row]))
+        rows.append(hidden[begin:begin + verified] if verified > 0 else None)
+    return TargetStates(starts, rows)
+
+
 def batch_view(runner) -> BatchView:
     batch = runner.input_batch
     req_ids = list(batch.req_ids)
@@ -120,6 +170,17 @@ def _shimmed_propose_draft_token_ids(original):
             return original(self, *args, **kwargs)
         carried = _carried_q(self, view)  # before the drafter reuses its q buffer
         drafter.set_batch_view(view)
+        if hasattr(drafter, "set_target_states"):  # a heads drafter reads the target's hidden states
+            try:
+                states = target_states(self, args, kwargs)
+            except Exception:
+                failures = getattr(self, "_specplugin_state_failures", 0) + 1
+                self._specplugin_state_failures = failures
+                if failures <= 10 or failures % 1000 == 0:
+                    logger.exception("specplugin: the target's hidden states cannot be read from this step (%d "
+                                     "such steps so far); the heads drafter drafts nothing for it", failures)
+                states = None
+            drafter.set_target_states(states)
         draft_token_ids = original(self, *args, **kwargs)
         try:
             probs = drafter.take_last_draft_probs()

@@ -1,0 +1,312 @@
+"""An EAGLE-1 head as the plugin's drafter: chains sampled from the head's processed distribution,
+with the q each token was drawn from (probabilistic acceptance, min(1, p/q)).
+
+vLLM 0.32's own ``eagle`` method drafts greedily, so at temperature > 0 its drafts are verified as
+one-hot (accepted with probability p(x)); here the head's distribution goes through the request's
+temperature / top-k / top-p and the draft is *sampled* from it, which accepts min(1, p/q) >= p(x).
+
+Engine-agnostic: the head needs, besides the context's tokens, the target's hidden states (after
+its final RMSNorm) at the positions the target just verified, handed over in
+``DraftRequest.hidden_states`` / ``hidden_start`` (the vLLM runner shim fills them,
+vllm_specplugin/runner_shim.py; from HF transformers, ``output_hidden_states=True``'s last entry).
+
+The head (the checkpoint vLLM loads for ``method: "eagle"``; written by models/eagle.py):
+
+* entry at position i: x_i = fc(cat(embed(t_{i+1}), f_i)), fc [d, 2d] without bias, f_i the
+  target's normed hidden state at i, embed and LM head the target's (shared, frozen);
+* one Llama decoder layer without input norm: causal attention over the entries (RoPE at i),
+  g_i = r + mlp(rmsnorm(r)), r = x_i + o_proj(attention); no final norm;
+* draft logits = lm_head(g_i) for token i + 2; the next draft step's entry is
+  (drafted token, g_i) at position i + 1.
+
+Per request the head keeps the keys and values of its entries (its one-layer KV cache) for the
+positions whose target hidden states it has seen. An entry depends only on (token, feature,
+position), so the cache follows verification by position: rows handed over for positions >= s
+replace whatever the cache held from s on (rejected drafts never got entries: only verified
+positions' states are handed over). A request can draft only when it has the entry of its last
+verified position (the position before its newest token); otherwise it gets no draft that step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
+from vllm_specplugin.proposers.metrics import DraftMetrics, accepted_count
+from vllm_specplugin.proposers.sampling import processed_probs, sample
+
+WEIGHT_NAMES = ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+                "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
+                "layers.0.post_attention_layernorm.weight", "layers.0.mlp.gate_proj.weight",
+                "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight")
+
+
+class HeadCheckpointError(ValueError):
+    """A head checkpoint this drafter cannot serve (missing file, weight or unsupported setting)."""
+
+
+@dataclass
+class EagleWeights:
+    """The head's own weights (float32) and geometry, read from a vLLM EAGLE-1 checkpoint."""
+
+    fc: torch.Tensor  # [d, 2d]
+    q: torch.Tensor  # [H * hd, d]
+    k: torch.Tensor  # [Hkv * hd, d]
+    v: torch.Tensor  # [Hkv * hd, d]
+    o: torch.Tensor  # [d, H * hd]
+    norm: torch.Tensor  # [d]
+    gate: torch.Tensor  # [I, d]
+    up: torch.Tensor  # [I, d]
+    down: torch.Tensor  # [d, I]
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    eps: float
+    rope_theta: float
+    vocab_size: int
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> EagleWeights:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config_file, weights_file = path / "config.json", path / "model.safetensors"
+        for needed in (config_file, weights_file):
+            if not needed.is_file():
+                raise HeadCheckpointError(f"EAGLE head checkpoint {path}: {needed.name} is missing")
+        cfg = json.loads(config_file.read_text())
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise HeadCheckpointError(f"EAGLE head {path}: rope type {rope.get('rope_type')!r} is not supported "
+                                      "(default RoPE only)")
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise HeadCheckpointError(f"EAGLE head {path}: attention / MLP biases are not supported")
+        if int(cfg.get("num_hidden_layers", 1)) != 1:
+            raise HeadCheckpointError(f"EAGLE head {path}: {cfg.get('num_hidden_layers')} layers; an EAGLE-1 head has 1")
+        tensors = load_file(str(weights_file))
+        missing = [name for name in WEIGHT_NAMES if name not in tensors]
+        if missing:
+            raise HeadCheckpointError(f"EAGLE head {path}: weights {missing} are missing (an EAGLE-1 checkpoint "
+                                      f"as vLLM's EagleLlamaForCausalLM loads it has {list(WEIGHT_NAMES)})")
+        w = [tensors[name].to(device=device, dtype=torch.float32).contiguous() for name in WEIGHT_NAMES]
+        d = int(cfg["hidden_size"])
+        n_heads = int(cfg["num_attention_heads"])
+        return cls(*w, n_heads=n_heads, n_kv=int(cfg.get("num_key_value_heads") or n_heads),
+                   head_dim=int(cfg.get("head_dim") or d // n_heads), eps=float(cfg["rms_norm_eps"]),
+                   rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                   vocab_size=int(cfg["vocab_size"]))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.fc.shape[0]
+
+
+@dataclass
+class _HeadCache:
+    """One request's head KV cache: entries for ``positions[:n]``, kept in position order."""
+
+    keys: torch.Tensor  # [Hkv, capacity, hd] float32, RoPE applied
+    values: torch.Tensor  # [Hkv, capacity, hd] float32
+    positions: list[int] = field(default_factory=list)
+    last_x: torch.Tensor | None = None  # [d]: the newest entry's input (its query and residual)
+
+    @property
+    def n(self) -> int:
+        return len(self.positions)
+
+
+@dataclass
+class _Pending:
+    context_length: int
+    tokens: list[int]
+
+
+class EagleHeadProposer(Proposer):
+    """Drafts chains from an EAGLE-1 head (see the module docstring); needs the target's embedding
+    and LM head (:meth:`attach_target`) before it drafts."""
+
+    def __init__(self, checkpoint: str | Path, device: str | torch.device = "cpu", name: str | None = None):
+        self.device = torch.device(device)
+        self.weights = EagleWeights.load(checkpoint, self.device)
+        self.vocab_size = self.weights.vocab_size
+        self.name = name or Path(checkpoint).name
+        self.metrics = DraftMetrics([self.name])
+        self.embed: torch.Tensor | None = None  # [V, d] float32
+        self.lm_head: torch.Tensor | None = None  # [V, d] float32
+        self._caches: dict[str, _HeadCache] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._last_call: tuple[float, set[str]] | None = None
+        w = self.weights
+        inv = 1.0 / w.rope_theta ** (torch.arange(0, w.head_dim, 2, dtype=torch.float32, device=self.device) / w.head_dim)
+        self._inv_freq = inv  # [hd / 2]
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def attach_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """The target's token embedding and LM head, [V', d] each (V' >= the head's vocabulary: vLLM
+        pads its vocabulary rows; only the first V are used)."""
+        d, vocab = self.weights.hidden_size, self.vocab_size
+        for name, tensor in (("embedding", embed), ("LM head", lm_head)):
+            if tensor.ndim != 2 or tensor.shape[1] != d or tensor.shape[0] < vocab:
+                raise HeadCheckpointError(f"the target's {name} is {tuple(tensor.shape)}; the head needs "
+                                          f"[>= {vocab}, {d}] (is the head trained for this target?)")
+        self.embed = embed[:vocab].detach().to(self.device, torch.float32).contiguous()
+        self.lm_head = lm_head[:vocab].detach().to(self.device, torch.float32).contiguous()
+
+    # -- the Proposer interface --------------------------------------------------------------
+
+    def free(self, request_id: str) -> None:
+        self._caches.pop(request_id, None)
+        self._pending.pop(request_id, None)
+
+    def tracked_request_ids(self) -> set[str]:
+        return set(self._caches) | set(self._pending)
+
+    @torch.no_grad()
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        if self.embed is None:
+            raise RuntimeError("EagleHeadProposer: attach_target() was not called (no embedding / LM head)")
+        started = time.perf_counter()
+        self._time_step(started, requests)
+        drafts = []
+        for request in requests:
+            self._observe(request)
+            cache = self._absorb(request)
+            last = len(request.context) - 2  # the position whose entry drafts the next token
+            if request.gamma <= 0 or cache is None or not cache.positions or cache.positions[-1] != last:
+                if request.gamma > 0:
+                    self.metrics.fallback_requests += 1  # no entry for the last verified position
+                drafts.append(self.empty_draft())
+                continue
+            tokens, probs = self.draft_chain(cache, last, request)
+            self._pending[request.request_id] = _Pending(len(request.context), tokens)
+            drafts.append(Draft(tokens, probs))
+        self.metrics.propose_calls += 1
+        self.metrics.draft_time_s += time.perf_counter() - started
+        self.metrics.tracked_requests = len(self._caches)
+        return drafts
+
+    # -- the head ----------------------------------------------------------------------------
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [heads, n, hd], positions [n] -> rotated (rotate-half, as Llama)."""
+        angles = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+    def _inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc(cat(embed(tokens), features)): tokens [n] int64, features [n, d] -> [n, d]."""
+        return torch.cat([self.embed[tokens], features], -1) @ self.weights.fc.T
+
+    def _keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, d] -> (keys, values) [Hkv, n, hd], keys rotated."""
+        w = self.weights
+        k = (x @ w.k.T).view(-1, w.n_kv, w.head_dim).transpose(0, 1)
+        v = (x @ w.v.T).view(-1, w.n_kv, w.head_dim).transpose(0, 1)
+        return self._rope(k, positions), v
+
+    def _output(self, x: torch.Tensor, position: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """g for one query entry x [d] at ``position`` attending to keys / values [Hkv, m, hd] (its own
+        included): [d]."""
+        w = self.weights
+        q = (x @ w.q.T).view(w.n_heads, 1, w.head_dim)
+        q = self._rope(q, torch.tensor([position], device=self.device))
+        rep = w.n_heads // w.n_kv
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
+        scores = (q @ keys.transpose(-1, -2)) * w.head_dim ** -0.5  # [H, 1, m]
+        attention = (scores.softmax(-1) @ values).reshape(-1)  # [H * hd]
+        r = x + attention @ w.o.T
+        n = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + w.eps) * w.norm
+        return r + (F.silu(n @ w.gate.T) * (n @ w.up.T)) @ w.down.T
+
+    def _absorb(self, request: DraftRequest) -> _HeadCache | None:
+        """Add the entries of the positions whose target hidden states came with ``request``."""
+        cache = self._caches.get(request.request_id)
+        hidden = request.hidden_states
+        if hidden is None or hidden.shape[0] == 0:
+            return cache
+        start = int(request.hidden_start)
+        # An entry at i needs the token at i + 1: the newest position's entry waits for its token.
+        count = min(int(hidden.shape[0]), len(request.context) - 1 - start)
+        if count <= 0:
+            return cache
+        w = self.weights
+        if hidden.ndim != 2 or hidden.shape[1] != w.hidden_size:
+            raise ValueError(f"request {request.request_id}: hidden states {tuple(hidden.shape)}, expected "
+                             f"[n, {w.hidden_size}] (the target's final normed hidden states)")
+        if cache is None:
+            capacity = max(64, 1 << math.ceil(math.log2(start + count + 1)))
+            cache = self._caches[request.request_id] = _HeadCache(
+                torch.empty(w.n_kv, capacity, w.head_dim, device=self.device),
+                torch.empty(w.n_kv, capacity, w.head_dim, device=self.device))
+        # Rows at positions >= start replace the cache's (recomputed after preemption, or the first
+        # rows of a request whose earlier states were never seen, e.g. a prefix-cache hit).
+        keep = next((j for j, p in enumerate(cache.positions) if p >= start), cache.n)
+        del cache.positions[keep:]
+        needed = keep + count
+        if needed > cache.keys.shape[1]:
+            capacity = 1 << math.ceil(math.log2(needed))
+            for name in ("keys", "values"):
+                old = getattr(cache, name)
+                grown = torch.empty(w.n_kv, capacity, w.head_dim, device=self.device)
+                grown[:, :keep] = old[:, :keep]
+                setattr(cache, name, grown)
+        tokens = torch.as_tensor(list(request.context[start + 1:start + 1 + count]), dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + count, device=self.device)
+        x = self._inputs(tokens, hidden[:count].to(self.device, torch.float32))
+        keys, values = self._keys_values(x, positions)
+        cache.keys[:, keep:needed] = keys
+        cache.values[:, keep:needed] = values
+        cache.positions.extend(range(start, start + count))
+        cache.last_x = x[-1]
+        return cache
+
+    def draft_chain(self, cache: _HeadCache, last: int, request: DraftRequest) -> tuple[list[int], torch.Tensor]:
+        """``request.gamma`` tokens, each drawn from the processed head distribution of the step before
+        (argmax for greedy requests): (tokens, q [gamma, V] float32)."""
+        n = cache.n
+        keys, values = cache.keys[:, :n], cache.values[:, :n]
+        g = self._output(cache.last_x, last, keys, values)
+        tokens: list[int] = []
+        rows = []
+        for step in range(request.gamma):
+            q = processed_probs(g @ self.lm_head.T, request.params)  # [V]
+            token = int(q.argmax()) if request.params.greedy else int(sample(q, request.generator))
+            tokens.append(token)
+            rows.append(q)
+            if step + 1 == request.gamma:
+                break
+            position = last + 1 + step
+            x = self._inputs(torch.tensor([token], device=self.device), g[None])[0]
+            k, v = self._keys_values(x[None], torch.tensor([position], device=self.device))
+            keys, values = torch.cat([keys, k], 1), torch.cat([values, v], 1)
+            g = self._output(x, position, keys, values)
+        return tokens, torch.stack(rows)
+
+    # -- measuring ---------------------------------------------------------------------------
+
+    def _observe(self, request: DraftRequest) -> None:
+        """Score the request's previous draft against the tokens the target emitted since."""
+        pending = self._pending.pop(request.request_id, None)
+        if pending is None or len(request.context) <= pending.context_length:
+            return
+        emitted = list(request.context[pending.context_length:])
+        accepted = accepted_count(pending.tokens, emitted)
+        self.metrics.record_outcome(len(pending.tokens), accepted)
+
+    def _time_step(self, now: float, requests: Sequence[DraftRequest]) -> None:
+        ids = {request.request_id for request in requests}
+        if self._last_call is not None and self._last_call[1] & ids:
+            self.metrics.step_time_s += now - self._last_call[0]
+            self.metrics.timed_steps += 1
+        self._last_call = (now, ids)

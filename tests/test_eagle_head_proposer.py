@@ -1,0 +1,121 @@
+"""proposers/eagle_head.py: the EAGLE-1 head as the plugin's drafter drafts what the trainer's
+reference forward (models/eagle.py, itself tied to vLLM's llama_eagle in tests/test_eagle.py) drafts,
+with the request's processed q, whatever way the target's hidden states arrive (all at once, one
+verified step at a time, positions recomputed, states missing)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from vllm_specplugin.models import eagle as E  # noqa: E402
+from vllm_specplugin.models import heads as H  # noqa: E402
+from vllm_specplugin.models.random_llama import make_random_llama  # noqa: E402
+from vllm_specplugin.proposers.base import DraftRequest  # noqa: E402
+from vllm_specplugin.proposers.eagle_head import EagleHeadProposer, HeadCheckpointError  # noqa: E402
+from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A random 2-layer target and an untrained (randomised) head saved as vLLM loads it."""
+    root = tmp_path_factory.mktemp("eaglehead")
+    target_dir = make_random_llama(root / "target", logit_scale=15.0, seed=0)
+    target = H.load_target(target_dir)
+    cfg = target.config.to_dict()
+    torch.manual_seed(1)
+    head = E.EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # the identity start would hide attention / MLP bugs
+    E.save_eagle(head, root / "eagle", cfg, {"method": "eagle"})
+    head = E.load_eagle(root / "eagle", target)  # bf16 round trip: the weights the proposer reads
+    return target, head, root / "eagle"
+
+
+def _proposer(pair):
+    target, _, path = pair
+    proposer = EagleHeadProposer(path)
+    proposer.attach_target(target.model.embed_tokens.weight, target.lm_head.weight)
+    return proposer
+
+
+def _reference(target, head, context: list[int], drafted: list[int]):
+    """The trainer's teacher-forced chain from the start at the context's last verified position,
+    fed the drafted tokens: logits [len(drafted), V] of draft steps 1..len(drafted)."""
+    x = torch.tensor([context + drafted])
+    f, _ = H.target_hidden_and_logp(target, x)
+    steps = len(drafted)
+    start = len(context) - 2
+    return torch.stack([logits[0, start] for logits in head.chain(x, f, steps)])
+
+
+def _request(rid, context, gamma, params, hidden, start, generator=None):
+    return DraftRequest(rid, context, gamma, params, generator, hidden_states=hidden, hidden_start=start)
+
+
+@torch.no_grad()
+def test_chain_matches_the_reference_head_greedy_and_sampled(pair):
+    target, head, _ = pair
+    proposer = _proposer(pair)
+    context = torch.randint(0, target.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))[0].tolist()
+    f, _ = H.target_hidden_and_logp(target, torch.tensor([context]))
+    for rid, params in (("greedy", SamplingParams(0.0)), ("t1", SamplingParams(1.0)), ("topk", SamplingParams(0.8, 5, 0.9))):
+        generator = torch.Generator().manual_seed(7)
+        # The target has seen positions 0..18 (19 = the newest token has no state yet).
+        draft, = proposer.propose([_request(rid, context, 4, params, f[0, :19], 0, generator)])
+        assert len(draft.token_ids) == 4
+        logits = _reference(target, head, context, draft.token_ids)
+        want = processed_probs(logits, params)
+        torch.testing.assert_close(draft.probs, want, atol=2e-5, rtol=1e-4)
+        if params.greedy:
+            assert draft.token_ids == logits.argmax(-1).tolist()
+
+
+@torch.no_grad()
+def test_states_arriving_step_by_step_give_the_states_at_once_result(pair):
+    target, head, _ = pair
+    seq = torch.randint(0, target.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))[0].tolist()
+    f, _ = H.target_hidden_and_logp(target, torch.tensor([seq]))
+    f = f[0]
+    once, steps = _proposer(pair), _proposer(pair)
+    greedy = SamplingParams(0.0)
+    t1 = SamplingParams(1.0)  # q's every entry shows a wrong state (a greedy one-hot hides most)
+    whole, = once.propose([_request("r", seq[:25], 3, t1, f[:24], 0, torch.Generator().manual_seed(5))])
+    # Prefill of 12 prompt tokens (states 0..11), then verified steps of 1, 3 and 2 positions with
+    # a rejected draft's state never handed over; and one step recomputing positions 20..21.
+    steps.propose([_request("r", seq[:13], 3, greedy, f[:12], 0)])
+    steps.propose([_request("r", seq[:14], 3, greedy, f[12:13], 12)])
+    steps.propose([_request("r", seq[:17], 3, greedy, f[13:16], 13)])
+    steps.propose([_request("r", seq[:22], 3, greedy, torch.cat([f[16:20], f[20:21] + 1.0]), 16)])  # row 20 recomputed next
+    last, = steps.propose([_request("r", seq[:25], 3, t1, f[20:24], 20, torch.Generator().manual_seed(5))])
+    assert last.token_ids == whole.token_ids
+    torch.testing.assert_close(last.probs, whole.probs)
+    # The outcome of the previous draft is scored from the tokens that arrived.
+    assert steps.metrics.verify_steps == 4 and once.metrics.verify_steps == 0
+
+
+@torch.no_grad()
+def test_no_draft_without_the_state_of_the_last_verified_position(pair):
+    target, _, _ = pair
+    proposer = _proposer(pair)
+    seq = list(range(1, 12))
+    f, _ = H.target_hidden_and_logp(target, torch.tensor([seq]))
+    draft, = proposer.propose([_request("r", seq, 3, SamplingParams(0.0), f[0, :8], 0)])  # 8, 9 missing
+    assert draft.token_ids == [] and proposer.metrics.fallback_requests == 1
+    draft, = proposer.propose([_request("r", seq, 3, SamplingParams(0.0), None, 0)])
+    assert draft.token_ids == []
+    proposer.free("r")
+    assert proposer.tracked_request_ids() == set()
+
+
+def test_bad_checkpoints_and_targets_are_named(pair, tmp_path):
+    target, _, path = pair
+    with pytest.raises(HeadCheckpointError, match="config.json is missing"):
+        EagleHeadProposer(tmp_path)
+    proposer = EagleHeadProposer(path)
+    with pytest.raises(HeadCheckpointError, match="trained for this target"):
+        proposer.attach_target(target.model.embed_tokens.weight[:, :8], target.lm_head.weight)
+    with pytest.raises(RuntimeError, match="attach_target"):
+        proposer.propose([_request("r", [1, 2, 3], 2, SamplingParams(0.0), None, 0)])
