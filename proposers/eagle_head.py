@@ -256,13 +256,7 @@ class EagleHeadProposer(Proposer):
         keep = next((j for j, p in enumerate(cache.positions) if p >= start), cache.n)
         del cache.positions[keep:]
         needed = keep + count
-        if needed > cache.keys.shape[1]:
-            capacity = 1 << math.ceil(math.log2(needed))
-            for name in ("keys", "values"):
-                old = getattr(cache, name)
-                grown = torch.empty(w.n_kv, capacity, w.head_dim, device=self.device)
-                grown[:, :keep] = old[:, :keep]
-                setattr(cache, name, grown)
+        self._reserve(cache, needed)
         tokens = torch.as_tensor(list(request.context[start + 1:start + 1 + count]), dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + count, device=self.device)
         x = self._inputs(tokens, hidden[:count].to(self.device, torch.float32))
@@ -278,10 +272,12 @@ class EagleHeadProposer(Proposer):
 
     def draft_chain(self, cache: _HeadCache, last: int, request: DraftRequest) -> tuple[list[int], torch.Tensor]:
         """``request.gamma`` tokens, each drawn from the processed head distribution of the step before
-        (argmax for greedy requests): (tokens, q [gamma, V] float32)."""
+        (argmax for greedy requests): (tokens, q [gamma, V] float32). The draft steps' own keys and
+        values go to the cache's free slots past its entries (not committed: the next verified states
+        overwrite them), so no step copies the cache."""
         n = cache.n
-        keys, values = cache.keys[:, :n], cache.values[:, :n]
-        g = self._output(cache.recent_x[-1], last, keys, values)
+        self._reserve(cache, n + request.gamma)
+        g = self._output(cache.recent_x[-1], last, cache.keys[:, :n], cache.values[:, :n])
         tokens: list[int] = []
         rows = []
         for step in range(request.gamma):
@@ -294,9 +290,23 @@ class EagleHeadProposer(Proposer):
             position = last + 1 + step
             x = self._inputs(torch.tensor([token], device=self.device), g[None])[0]
             k, v = self._keys_values(x[None], torch.tensor([position], device=self.device))
-            keys, values = torch.cat([keys, k], 1), torch.cat([values, v], 1)
-            g = self._output(x, position, keys, values)
+            slot = n + step
+            cache.keys[:, slot:slot + 1] = k
+            cache.values[:, slot:slot + 1] = v
+            g = self._output(x, position, cache.keys[:, :slot + 1], cache.values[:, :slot + 1])
         return tokens, torch.stack(rows)
+
+    def _reserve(self, cache: _HeadCache, needed: int) -> None:
+        """Grow the cache's buffers (doubling) to hold ``needed`` entries, keeping its ``n``."""
+        if needed <= cache.keys.shape[1]:
+            return
+        w = self.weights
+        capacity = 1 << math.ceil(math.log2(needed))
+        for name in ("keys", "values"):
+            old = getattr(cache, name)
+            grown = torch.empty(w.n_kv, capacity, w.head_dim, device=self.device)
+            grown[:, :cache.n] = old[:, :cache.n]
+            setattr(cache, name, grown)
 
     def stale_first_q(self, cache: _HeadCache, last: int, request: DraftRequest) -> torch.Tensor | None:
         """The processed head distribution one position behind (the entry at ``last - 1`` as the

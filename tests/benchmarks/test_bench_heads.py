@@ -85,3 +85,38 @@ def test_throughput_heads_demo(benchmark, bench_results, served, batch, temperat
 def test_throughput_heads_memory_bound(benchmark, bench_results, served_mb, batch, temperature):
     benchmark_throughput(benchmark, bench_results.setdefault("throughput_heads_memory_bound", []), served_mb,
                          heldout_prompts(PROMPTS[batch]), batch=batch, temperature=temperature, max_tokens=MAX_TOKENS)
+
+
+# --- the EAGLE head as the plugin's drafter (issue 33) ---------------------------------------
+# The same head served by vLLM's own "eagle" (greedy drafts, one-hot verification) and by the plugin
+# (eagle_head: sampled chains verified against q), with the same number of verified tokens, next to
+# plain decoding and the best 4.46 M draft model (vLLM's draft_model, gamma 4, and the plugin's), on
+# the memory-bound target at batch 1. SPECPLUGIN_BENCH_EAGLE_DIR serves another head (e.g. a long
+# training's, models/demo-mb/eagle-long).
+#
+#     BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -k eagle_head_plugin -s
+
+EAGLE_MB = os.environ.get("SPECPLUGIN_BENCH_EAGLE_DIR", os.path.join(DEMO_MB, "eagle"))
+HEAD_WORKLOADS = [(1, 0.0), (1, 1.0)]
+HEAD_PROMPTS = 6
+
+
+def plugin_eagle_config(heads_dir: str, k: int = EAGLE_DRAFT_TOKENS) -> ServedConfig:
+    """The plugin's EAGLE head drafter (MultiDraftProposer with eagle_head) drafting k tokens."""
+    return ServedConfig(f"plugin eagle[{os.path.relpath(heads_dir, os.path.dirname(DEMO))}] k={k}",
+                        {"method": "custom_class", "model": "vllm_specplugin.adapters.MultiDraftProposer",
+                         "num_speculative_tokens": k},
+                        {"specplugin": {"eagle_head": heads_dir}})
+
+
+served_eagle_head = served_fixture(
+    [ServedConfig("plain"), eagle_config(EAGLE_MB), plugin_eagle_config(EAGLE_MB),
+     plugin_eagle_config(EAGLE_MB, 5), builtin_draft_model_config("demo-mb/draft", 4),
+     plugin_config("plugin demo-mb/draft", ["demo-mb/draft"], 4)],
+    target=os.path.join(DEMO_MB, "target"))
+
+
+@pytest.mark.parametrize("batch,temperature", HEAD_WORKLOADS, ids=[f"batch{b}-T{t:g}" for b, t in HEAD_WORKLOADS])
+def test_throughput_eagle_head_plugin(benchmark, bench_results, served_eagle_head, batch, temperature):
+    benchmark_throughput(benchmark, bench_results.setdefault("throughput_eagle_head_plugin", []), served_eagle_head,
+                         heldout_prompts(HEAD_PROMPTS), batch=batch, temperature=temperature, max_tokens=MAX_TOKENS)
