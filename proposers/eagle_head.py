@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.metrics import DraftMetrics, accepted_count
-from vllm_specplugin.proposers.sampling import processed_probs, sample
+from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
 
 WEIGHT_NAMES = ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
                 "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
@@ -145,6 +145,7 @@ class EagleHeadProposer(Proposer):
         self.lm_head: torch.Tensor | None = None  # [V, d] float32
         self._caches: dict[str, _HeadCache] = {}
         self._pending: dict[str, _Pending] = {}
+        self._nodes: dict[str, dict] = {}  # request id -> this step's tree nodes (see prepare)
         self._last_call: tuple[float, set[str]] | None = None
         w = self.weights
         inv = 1.0 / w.rope_theta ** (torch.arange(0, w.head_dim, 2, dtype=torch.float32, device=self.device) / w.head_dim)
@@ -168,6 +169,7 @@ class EagleHeadProposer(Proposer):
     def free(self, request_id: str) -> None:
         self._caches.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._nodes.pop(request_id, None)
 
     def tracked_request_ids(self) -> set[str]:
         return set(self._caches) | set(self._pending)
@@ -270,22 +272,26 @@ class EagleHeadProposer(Proposer):
             cache.recent_x = x[-2:]
         return cache
 
-    def draft_chain(self, cache: _HeadCache, last: int, request: DraftRequest) -> tuple[list[int], torch.Tensor]:
-        """``request.gamma`` tokens, each drawn from the processed head distribution of the step before
-        (argmax for greedy requests): (tokens, q [gamma, V] float32). The draft steps' own keys and
-        values go to the cache's free slots past its entries (not committed: the next verified states
-        overwrite them), so no step copies the cache."""
+    def draft_chain(self, cache: _HeadCache, last: int, request: DraftRequest, gamma: int | None = None,
+                    row_params: SamplingParams | None = None) -> tuple[list[int], torch.Tensor]:
+        """``gamma`` (default ``request.gamma``) tokens, each drawn from the processed head distribution
+        of the step before (the argmax for greedy requests): (tokens, q [gamma, V] float32). ``row_params``:
+        process the rows with these instead (TreeProposer: T = 1 rows for a greedy request's acceptance
+        model; its tokens stay the argmax). The draft steps' own keys and values go to the cache's free
+        slots past its entries (not committed: the next verified states overwrite them), so no step
+        copies the cache."""
+        gamma = request.gamma if gamma is None else gamma
         n = cache.n
-        self._reserve(cache, n + request.gamma)
+        self._reserve(cache, n + gamma)
         g = self._output(cache.recent_x[-1], last, cache.keys[:, :n], cache.values[:, :n])
         tokens: list[int] = []
         rows = []
-        for step in range(request.gamma):
-            q = processed_probs(g @ self.lm_head.T, request.params)  # [V]
+        for step in range(gamma):
+            q = processed_probs(g @ self.lm_head.T, row_params or request.params)  # [V]
             token = int(q.argmax()) if request.params.greedy else int(sample(q, request.generator))
             tokens.append(token)
             rows.append(q)
-            if step + 1 == request.gamma:
+            if step + 1 == gamma:
                 break
             position = last + 1 + step
             x = self._inputs(torch.tensor([token], device=self.device), g[None])[0]
@@ -316,6 +322,107 @@ class EagleHeadProposer(Proposer):
             return None
         g = self._output(cache.recent_x[-2], last - 1, cache.keys[:, :cache.n - 1], cache.values[:, :cache.n - 1])
         return processed_probs(g @ self.lm_head.T, request.params)
+
+    # -- the drafter interface TreeProposer grows trees with (as EnsembleProposer's) ---------
+    # A tree's node is the path of drafted tokens from the root (the newest verified position);
+    # each node's head output is computed once per step, all the nodes TreeProposer asks for at
+    # once in one batched pass per request (tree attention over the real entries and the node's
+    # ancestors), and kept until the request's next step.
+
+    def prepare(self, requests: Sequence[DraftRequest]) -> None:
+        """Take the target's states each request brings and forget last step's tree nodes."""
+        for request in requests:
+            self._absorb(request)
+            self._nodes.pop(request.request_id, None)
+
+    def room(self, request_id: str, context_length: int, gamma: int) -> int:
+        """``gamma`` when the head can draft after this context (it has the entry of the newest
+        verified position, context_length - 2), else 0."""
+        cache = self._caches.get(request_id)
+        ready = cache is not None and bool(cache.positions) and cache.positions[-1] == context_length - 2
+        return gamma if ready else 0
+
+    def root_distributions(self, request_ids: Sequence[str], contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The head's unprocessed (T = 1) distribution after each context: [len(ids), V] float32."""
+        g = torch.stack([self._tree_nodes(rid, len(ctx) - 2)[()][0] for rid, ctx in zip(request_ids, contexts)])
+        return (g @ self.lm_head.T).softmax(-1)
+
+    def branch_distributions_of(self, items) -> list[torch.Tensor]:
+        """``items``: (request id, context, paths); per item the head's unprocessed distribution after
+        the context and each path (a list of drafted tokens): [len(paths), V] float32."""
+        out = []
+        for rid, context, paths in items:
+            last = len(context) - 2
+            nodes = self._tree_nodes(rid, last)
+            keys = [tuple(int(t) for t in path) for path in paths]
+            for depth in sorted({len(k) for k in keys if k not in nodes}):
+                level = list(dict.fromkeys(k for k in keys if len(k) == depth and k not in nodes))
+                missing = [k[:j] for k in level for j in range(1, depth) if k[:j] not in nodes]
+                if missing:  # parents first (TreeProposer asks for them first; kept for any caller)
+                    self.branch_distributions_of([(rid, context, [list(m) for m in dict.fromkeys(missing)])])
+                self._expand(rid, last, level)
+            g = torch.stack([nodes[k][0] for k in keys])
+            out.append((g @ self.lm_head.T).softmax(-1))
+        return out
+
+    def draw_chains(self, active, drafts: list[Draft], row_params: list[SamplingParams] | None = None) -> None:
+        """The chain loop for TreeProposer's chain-shaped steps: ``active`` = (index, request, gamma),
+        each written to ``drafts[index]`` (see :meth:`draft_chain`)."""
+        for i, (index, request, gamma) in enumerate(active):
+            cache = self._caches[request.request_id]
+            tokens, probs = self.draft_chain(cache, len(request.context) - 2, request, gamma,
+                                             row_params[i] if row_params else None)
+            drafts[index] = Draft(tokens, probs)
+
+    def time_step(self, now: float, requests: Sequence[DraftRequest]) -> None:
+        self._time_step(now, requests)
+
+    def sync_cost_counters(self) -> None:
+        """Nothing to gather (EnsembleProposer sums its draft models' counters here)."""
+
+    def _tree_nodes(self, request_id: str, last: int) -> dict:
+        """The request's node table {path: (g [d], k [Hkv, hd], v [Hkv, hd])}, with its root."""
+        nodes = self._nodes.get(request_id)
+        if nodes is None:
+            cache = self._caches[request_id]
+            if not cache.positions or cache.positions[-1] != last:
+                raise RuntimeError(f"request {request_id}: the head has no entry for position {last}")
+            g = self._output(cache.recent_x[-1], last, cache.keys[:, :cache.n], cache.values[:, :cache.n])
+            nodes = self._nodes[request_id] = {(): (g, None, None)}
+        return nodes
+
+    def _expand(self, request_id: str, last: int, paths: list[tuple[int, ...]]) -> None:
+        """Compute the nodes ``paths`` (all of one depth d >= 1, parents known) in one batched pass:
+        node = (last token of the path, its parent's g) at position last + d, attending to the real
+        entries and to its ancestors and itself."""
+        w = self.weights
+        cache, nodes = self._caches[request_id], self._nodes[request_id]
+        depth, count = len(paths[0]), len(paths)
+        parents_g = torch.stack([nodes[p[:-1]][0] for p in paths])  # [P, d]
+        tokens = torch.tensor([p[-1] for p in paths], device=self.device)
+        position = torch.full((count,), last + depth, device=self.device)
+        x = self._inputs(tokens, parents_g)  # [P, d]
+        k, v = self._keys_values(x, position)  # [Hkv, P, hd]
+        q = self._rope((x @ w.q.T).view(count, w.n_heads, w.head_dim).transpose(0, 1), position)  # [H, P, hd]
+        # The node's own path: ancestors at depths 1..d-1, then itself: [Hkv, P, d, hd].
+        path_k = torch.stack([torch.stack([nodes[p[:j]][1] for j in range(1, depth)] + [k[:, i]], 1)
+                              for i, p in enumerate(paths)], 1)
+        path_v = torch.stack([torch.stack([nodes[p[:j]][2] for j in range(1, depth)] + [v[:, i]], 1)
+                              for i, p in enumerate(paths)], 1)
+        real_k, real_v = cache.keys[:, :cache.n], cache.values[:, :cache.n]
+        rep = w.n_heads // w.n_kv
+        if rep > 1:
+            real_k, real_v = real_k.repeat_interleave(rep, 0), real_v.repeat_interleave(rep, 0)
+            path_k, path_v = path_k.repeat_interleave(rep, 0), path_v.repeat_interleave(rep, 0)
+        scale = w.head_dim ** -0.5
+        scores = torch.cat([q @ real_k.transpose(-1, -2), torch.einsum("hpe,hpde->hpd", q, path_k)], -1) * scale
+        probs = scores.softmax(-1)
+        attention = probs[..., :cache.n] @ real_v + torch.einsum("hpd,hpde->hpe", probs[..., cache.n:], path_v)
+        r = x + attention.transpose(0, 1).reshape(count, -1) @ w.o.T
+        n = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + w.eps) * w.norm
+        g = r + (F.silu(n @ w.gate.T) * (n @ w.up.T)) @ w.down.T
+        for i, path in enumerate(paths):
+            nodes[path] = (g[i], k[:, i], v[:, i])
 
     # -- measuring ---------------------------------------------------------------------------
 

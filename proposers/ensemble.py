@@ -209,7 +209,7 @@ class EnsembleProposer(Proposer):
         active: list[tuple[int, DraftRequest, int]] = []
         for index, request in enumerate(requests):
             self._observe(request)
-            gamma = min(rt.room(request.request_id, len(request.context), request.gamma) for rt in self.runtimes)
+            gamma = self.room(request.request_id, len(request.context), request.gamma)
             if gamma < request.gamma and gamma == 0:
                 self.metrics.fallback_requests += 1
             if gamma > 0 and request.context:
@@ -220,6 +220,14 @@ class EnsembleProposer(Proposer):
         self.metrics.draft_time_s += time.perf_counter() - started
         self.sync_cost_counters()
         return drafts
+
+    def room(self, request_id: str, context_length: int, gamma: int) -> int:
+        """Draft tokens every draft model can still take after this context (at most ``gamma``)."""
+        return min(rt.room(request_id, context_length, gamma) for rt in self.runtimes)
+
+    def prepare(self, requests: Sequence[DraftRequest]) -> None:
+        """Nothing to take from the requests besides their contexts (a heads drafter takes the
+        target's hidden states here; TreeProposer calls it before growing its trees)."""
 
     def sync_cost_counters(self) -> None:
         self.metrics.tokens_forwarded = sum(rt.tokens_forwarded for rt in self.runtimes)

@@ -1067,6 +1067,7 @@ class TreeProposer(Proposer):
         started = time.perf_counter()
         # The ensemble's own step timing (its propose() is not called when wrapped).
         self.ensemble.time_step(started, requests)
+        self.ensemble.prepare(requests)
         for request in requests:
             self._observe(request)
         plans = [self._plan(request) for request in requests]
@@ -1173,7 +1174,7 @@ class TreeProposer(Proposer):
             # Greedy verification accepts x iff x is the target's argmax; the draft's unprocessed
             # probability of x estimates that chance (its one-hot argmax would say nothing).
             params = SamplingParams(temperature=1.0)
-        depth = min(rt.room(rid, len(context), request.gamma) for rt in self.ensemble.runtimes)
+        depth = self.ensemble.room(rid, len(context), request.gamma)
         if depth == 0 and request.gamma > 0:
             self.metrics.fallback_requests += 1
         if depth == 0 or not context:

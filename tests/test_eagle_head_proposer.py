@@ -119,3 +119,47 @@ def test_bad_checkpoints_and_targets_are_named(pair, tmp_path):
         proposer.attach_target(target.model.embed_tokens.weight[:, :8], target.lm_head.weight)
     with pytest.raises(RuntimeError, match="attach_target"):
         proposer.propose([_request("r", [1, 2, 3], 2, SamplingParams(0.0), None, 0)])
+
+
+@torch.no_grad()
+def test_tree_nodes_are_the_heads_chain_along_each_path(pair):
+    """The interface TreeProposer grows trees with: the distribution after the context and any path
+    of drafted tokens is the head's chain fed that path (tree attention over the real entries and
+    the node's own ancestors only: siblings and cousins computed in the same pass are not seen)."""
+    target, head, _ = pair
+    proposer = _proposer(pair)
+    context = torch.randint(0, target.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(6))[0].tolist()
+    f, _ = H.target_hidden_and_logp(target, torch.tensor([context]))
+    request = _request("r", context, 4, SamplingParams(1.0), f[0, :15], 0)
+    proposer.prepare([request])
+    assert proposer.room("r", len(context), 4) == 4 and proposer.room("r", len(context) + 1, 4) == 0
+    root = proposer.root_distributions(["r"], [context])[0]
+    torch.testing.assert_close(root, _reference(target, head, context, [0])[0].softmax(-1), atol=2e-5, rtol=1e-4)
+    paths = [[5], [9], [5, 7], [9, 7], [5, 11], [5, 7, 2], [9, 7, 3]]
+    # Asked level by level as TreeProposer does, and the deepest level once more all at once.
+    for level in (paths[:2], paths[2:5], paths[5:]):
+        got = proposer.branch_distributions_of([("r", context, level)])[0]
+        for path, row in zip(level, got):
+            want = _reference(target, head, context, path + [0])[len(path)].softmax(-1)
+            torch.testing.assert_close(row, want, atol=2e-5, rtol=1e-4)
+    fresh = _proposer(pair)
+    fresh.prepare([request])
+    got = fresh.branch_distributions_of([("r", context, [paths[-1]])])[0][0]  # parents computed first
+    torch.testing.assert_close(got, _reference(target, head, context, paths[-1] + [0])[3].softmax(-1), atol=2e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_tree_proposer_over_the_head_drafts_trees(pair):
+    from vllm_specplugin.proposers.tree import TreeProposer
+
+    target, _, _ = pair
+    proposer = _proposer(pair)
+    tree = TreeProposer(proposer, node_budget=6, branching=2, verify="tree")
+    context = torch.randint(0, target.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(8))[0].tolist()
+    f, _ = H.target_hidden_and_logp(target, torch.tensor([context]))
+    request = DraftRequest("r", context, 6, SamplingParams(1.0), torch.Generator().manual_seed(2),
+                           tree_ok=True, hidden_states=f[0, :15], hidden_start=0)
+    draft, = tree.propose([request])
+    assert draft.parents is not None and len(draft.token_ids) == 6 and len(draft.parents) == 7
+    assert sorted(draft.parents).count(0) >= 2  # siblings at the root
+    assert torch.allclose(draft.probs.sum(-1), torch.ones(6), atol=1e-4)

@@ -777,19 +777,19 @@ def test_depth_acceptance_counts_first_children():
     assert DepthAcceptance().estimate([0.3]) == ([0.3], None)
 
 
-class FakeRuntime:
-    def room(self, request_id, context_length, gamma):
-        return gamma
-
-
 class FakeEnsemble:
     """The public ensemble API TreeProposer uses, over a q(path) function of the context's end."""
 
     def __init__(self, q, vocab):
         self.q, self.vocab_size = q, vocab
-        self.runtimes = [FakeRuntime()]
         self.metrics = DraftMetrics(["fake"])
         self.freed = []
+
+    def room(self, request_id, context_length, gamma):
+        return gamma
+
+    def prepare(self, requests):
+        pass
 
     def time_step(self, now, requests):
         pass

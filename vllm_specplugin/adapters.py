@@ -127,7 +127,11 @@ class MultiDraftProposer(CustomClassAdapter):
 
             # The target's embedding and LM head come at load_model(); see there.
             proposer = self.head = EagleHeadProposer(self.config.eagle_head, device=device)
-            runtimes, names, weights = [], [proposer.name], [1.0]
+            if self.config.tree_drafting is not None:
+                from vllm_specplugin.proposers.tree import TreeProposer
+
+                proposer = TreeProposer(self.head, **self.config.tree_drafting)
+            runtimes, names, weights = [], [self.head.name], [1.0]
             self.gamma_policy, choice, metrics = None, None, proposer.metrics
             _check_parallelism(vllm_config, None)
         else:

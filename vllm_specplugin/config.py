@@ -62,7 +62,8 @@ class SpecPluginConfig:
     # A local EAGLE-1 head checkpoint (the directory vLLM's method "eagle" loads) to draft with
     # instead of draft models (proposers/eagle_head.py): chains sampled from the head's distribution
     # under each request's temperature / top-k / top-p, verified against that q (min(1, p/q); vLLM's
-    # own "eagle" drafts greedily). Needs the runner shim; not with drafts or the strategies.
+    # own "eagle" drafts greedily), or trees with tree_drafting (EAGLE-2's dynamic trees with shape
+    # "dynamic"). Needs the runner shim; not with drafts, adaptive_gamma or suffix_drafting.
     eagle_head: str | None = None
     # Mixture weights of the drafts; default uniform. Must match `drafts` in length.
     draft_weights: tuple[float, ...] | None = None
@@ -251,9 +252,10 @@ def _eagle_head(raw: Mapping) -> str:
         raise SpecPluginConfigError("eagle_head", f"{value!r} is not a checkpoint directory (no config.json)")
     if raw.get("drafts"):
         raise SpecPluginConfigError("eagle_head", "drafts with an EAGLE head: give one of them")
-    for other in ("adaptive_gamma", "tree_drafting", "suffix_drafting", "draft_weights"):
+    for other in ("adaptive_gamma", "suffix_drafting", "draft_weights"):
         if raw.get(other) is not None:
-            raise SpecPluginConfigError("eagle_head", f"does not combine with {other} yet (the head drafts chains)")
+            raise SpecPluginConfigError("eagle_head", f"does not combine with {other} yet (the head drafts chains or "
+                                        "trees: tree_drafting)")
     if raw.get("runner_shim") is False:
         raise SpecPluginConfigError("eagle_head", "needs the runner shim (it hands the head the target's hidden states)")
     return value

@@ -160,8 +160,8 @@ def _handoff_q_temperature(original):
 
 
 def _head_stale_states(original):
-    def draft_chain(self, cache, last, request):
-        tokens, probs = original(self, cache, last, request)
+    def draft_chain(self, cache, last, request, *args, **kwargs):
+        tokens, probs = original(self, cache, last, request, *args, **kwargs)
         stale = self.stale_first_q(cache, last, request)
         if stale is not None:
             probs = probs.clone()

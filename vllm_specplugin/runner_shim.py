@@ -85,7 +85,11 @@ def target_states(runner, args: tuple, kwargs: dict) -> TargetStates:
     ``input_batch.num_computed_tokens_cpu[r]`` (set before the step, advanced at the next one). Of
     a row's ``n`` scheduled tokens ``num_draft`` are drafts; with ``s`` tokens sampled the first
     ``n - num_draft + s - 1`` positions hold verified tokens (``s - 1`` drafts were accepted); a
-    row that sampled nothing (a prefill chunk before the prompt's last) verified all ``n``."""
+    row that sampled nothing (a prefill chunk before the prompt's last) verified all ``n``. A token
+    tree's verified rows are its root and accepted path (``_specplugin_tree_paths``, set by
+    tree_verification's walk this step), gathered in depth order."""
+    import torch
+
     named = dict(zip(PROPOSE_PARAMETERS, args))
     named.update(kwargs)
     hidden = named["hidden_states"]
@@ -95,9 +99,16 @@ def target_states(runner, args: tuple, kwargs: dict) -> TargetStates:
     batch = runner.input_batch
     num_rows = len(batch.req_ids)
     num_drafts = list(metadata.num_draft_tokens) if metadata is not None else [0] * num_rows
+    # Tree verification (tree_verification.py) verified a path of the tree's rows, root first.
+    tree_paths = getattr(runner, "_specplugin_tree_paths", None) or {}
     starts, rows = [], []
     for row in range(num_rows):
         begin, end = int(query_start[row]), int(query_start[row + 1])
+        path = tree_paths.get(batch.req_ids[row])
+        if path is not None:
+            starts.append(int(batch.num_computed_tokens_cpu[row]))
+            rows.append(hidden[torch.tensor(path, device=hidden.device) + begin])
+            continue
         n = end - begin
         got = len(sampled[row]) if isinstance(sampled, list) else 0
         verified = n if got == 0 else n - int(num_drafts[row]) + got - 1

@@ -705,6 +705,7 @@ def _tree_sample(original):
     def _sample(self, logits, spec_decode_metadata):
         global _CURRENT
         step, _CURRENT = _CURRENT, None
+        self._specplugin_tree_paths = {}  # request id -> verified tree rows (root first), for heads
         if step is None or spec_decode_metadata is None or logits is None:
             return original(self, logits, spec_decode_metadata)
         # The tree rows' logits [N, V], before vLLM's sampler (which may process logits in place).
@@ -771,7 +772,9 @@ def _verify_trees(runner, step: TreeStep, blocks: list[torch.Tensor], sampled: t
             state.walk_failures += 1
             logger.exception("specplugin: tree verification of request %s failed; emitting one token", entry.req_id)
             sampled[entry.row, 1:] = PLACEHOLDER_TOKEN_ID
+            runner._specplugin_tree_paths[entry.req_id] = [0]
             continue
+        runner._specplugin_tree_paths[entry.req_id] = [0] + list(accepted)
         row = sampled[entry.row]
         row.fill_(PLACEHOLDER_TOKEN_ID)
         row[: len(emitted)] = torch.tensor(emitted, dtype=row.dtype, device=row.device)
