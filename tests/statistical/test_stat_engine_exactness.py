@@ -5,7 +5,7 @@ Each test runs the real engine (one fresh process; eager but for ``COMPILED_CASE
 transformers (``verification.check``):
 
 * T > 0: N continuations of m = 3 tokens for each of 2 prompts (N = 3000 for the honest cases,
-  2000 for the faults but (h) and (i), 500; 58 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
+  2000 for the faults but (h) and (i), 500; 61 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
   and every sampled token checked for support (a token the target gives probability 0 fails).
 * T = 0: vLLM samples one continuation per prompt, so 32 random prompts of 4-48 tokens x 32
   tokens each (1024 tokens): every token must be the reference argmax (within a logit gap of
@@ -53,6 +53,8 @@ power at the current ALPHA before and after its run):
   behind (stale target states): power at its exact effect on token 2 alone (later tokens taken as
   honest: a lower bound) 1 to double precision at N = 2000, T = 1 (noncentrality ~10,000, df ~226);
   observed statistic 11325 at df 229;
+* the head's trees (``honest_eagle_head_tree``): the same samplings as its chains, the long case's
+  power as the tree long case's;
 * fault (a), vLLM-CPU's expand bug: its effect reads uninitialised memory, so its power cannot be
   computed; it is asserted only by its result (the e2e tier measured a consecutive-repeat rate of
   0.58-0.96 under it, against 0.003 for plain sampling).
@@ -161,11 +163,12 @@ SUITE = {
     "honest_eagle": len(MEDUSA_TEMPERATURES),
     "honest_eagle_head_plugin": len(HEAD_SAMPLING_TEMPERATURES),
     "fault_l_head_stale_states": 1,
+    "honest_eagle_head_tree": len(HEAD_SAMPLING_TEMPERATURES),
     "honest_block_draft_model": len(BLOCK_TEMPERATURES),
     "honest_suffix_choice": len(SUFFIX_CHOICE_TEMPERATURES),
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 58
+SUITE_HYPOTHESES = sum(SUITE.values())  # 61
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -259,7 +262,8 @@ def planned_power(reference, config: SamplingConfig) -> tuple[float, float]:
 # default: the whole-tree case (its tree attention runs inside the compiled model's attention
 # op) and the CPU expand bug's (a) and (j), whose effect reads uninitialised memory and was only
 # ever observed with the compiled forward. The engine and server tiers run compiled as well.
-COMPILED_CASES = ("honest_tree_verification", "fault_a_expand_bug", "fault_j_medusa_expand_bug")
+COMPILED_CASES = ("honest_tree_verification", "honest_eagle_head_tree", "fault_a_expand_bug",
+                  "fault_j_medusa_expand_bug")
 EAGER = {"enforce_eager": True}
 
 
@@ -964,24 +968,44 @@ HEAD_PROPOSER = {"method": "custom_class", "model": "vllm_specplugin.adapters.Mu
                  "num_speculative_tokens": 2}
 
 
-def head_samplings() -> list[SamplingConfig]:
-    return [sampling(0.0), sampling(0.7), LONG_TREE_SAMPLING]
+def head_samplings(long: bool = False) -> list[SamplingConfig]:
+    """T = 0, 0.7 and 1.0 with top-k / top-p; ``long``: T = 1.0 over M_LONG tokens."""
+    return [sampling(0.0), sampling(0.7), LONG_TREE_SAMPLING if long else sampling(1.0)]
 
 
 def test_plugin_eagle_head_is_exact(peaked_target, peaked_eagle, reference):
     """The plugin's EAGLE head drafter (``eagle_head``: the runner shim hands it the target's hidden
     states; chains of 2 sampled from the head's processed distribution, verified against that q): T = 0
-    (every token the argmax, 32 tokens per prompt), T = 0.7 with top-k 50 / top-p 0.9 over 3 tokens,
-    and T = 1.0 with top-k / top-p over M_LONG = 10 tokens, so that most tokens come from a step
-    whose head cache was updated after accepted and rejected drafts (k = 2: each step emits 1-3)."""
+    (every token the argmax, 32 tokens per prompt) and T = 0.7 / 1.0 with top-k 50 / top-p 0.9 over 3
+    tokens (k = 2: the third token comes from the second step whenever the first step's first draft
+    is rejected, so the head cache's update after a rejection is on the path; the long samples are
+    the tree case's, whose head cache follows the same code)."""
     report = run_honest("honest_eagle_head_plugin", peaked_target, head_samplings(), reference,
                         speculative_config=HEAD_PROPOSER,
                         additional_config={"specplugin": {"eagle_head": peaked_eagle}})
     for case in report.cases:
         assert case.acceptance_rate and case.acceptance_rate > 0.05, (case.name, case.acceptance_rate)
-    long = report.cases[-1]
     print(f"honest_eagle_head_plugin: acceptance {[round(c.acceptance_rate, 3) for c in report.cases]}")
-    assert long.sampling["max_tokens"] == M_LONG
+
+
+def test_plugin_eagle_head_trees_are_exact(peaked_target, peaked_eagle, reference):
+    """The EAGLE head drafter growing dynamic trees (TreeProposer over the head: a node's children
+    drawn without replacement from the head's processed distribution at that node, best first by
+    the calibrated chance of acceptance, alpha as honest_tree_dynamic's so that trees branch) of 6
+    nodes, verified whole inside vLLM (compiled: the tree attention runs in the model's attention
+    op), the head fed the hidden states of each step's accepted path: T = 0, T = 0.7 and T = 1.0 over
+    M_LONG tokens (top-k 50, top-p 0.9). Trees must be verified and, at T = 1, non-first children
+    accepted."""
+    report = run_honest("honest_eagle_head_tree", peaked_target, head_samplings(long=True), reference,
+                        speculative_config=TREE_PROPOSER,
+                        additional_config={"specplugin": {"eagle_head": peaked_eagle,
+                                                          "tree_drafting": DYNAMIC_TREE_DRAFTING}})
+    for case in report.cases:
+        counters = case.plugin_counters or {}
+        print(f"{case.name}: acceptance {case.acceptance_rate}, trees verified {counters.get('tree_verify_steps')}, "
+              f"non-first children {counters.get('tree_non_first_child_accepted')}")
+        assert counters.get("tree_verify_steps", 0) > 0, (case.name, counters)
+    assert report.cases[-1].plugin_counters.get("tree_non_first_child_accepted", 0) > 0
 
 
 def head_first_q(target_path: str, head_path: str, config: SamplingConfig):
