@@ -88,10 +88,10 @@ def test_throughput_heads_memory_bound(benchmark, bench_results, served_mb, batc
 
 
 # --- the EAGLE head as the plugin's drafter (issue 33) ---------------------------------------
-# The same head served by vLLM's own "eagle" (greedy drafts, one-hot verification) and by the plugin
-# (eagle_head: sampled chains verified against q), with the same number of verified tokens, next to
-# plain decoding and the best 4.46 M draft model (vLLM's draft_model, gamma 4, and the plugin's), on
-# the memory-bound target at batch 1. SPECPLUGIN_BENCH_EAGLE_DIR serves another head (e.g. a long
+# The same head served by vLLM's own "eagle" (greedy drafts, one-hot verification; k = 3 and 8) and
+# by the plugin (eagle_head: sampled chains verified against q, k = 3; dynamic trees of 8 and 16 nodes
+# verified whole), next to plain decoding and the best 4.46 M draft model (vLLM's draft_model, gamma
+# 4), on the memory-bound target at batch 1. SPECPLUGIN_BENCH_EAGLE_DIR serves another head (e.g. a long
 # training's, models/demo-mb/eagle-long).
 #
 #     BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -k eagle_head_plugin -s
@@ -101,18 +101,27 @@ HEAD_WORKLOADS = [(1, 0.0), (1, 1.0)]
 HEAD_PROMPTS = 6
 
 
-def plugin_eagle_config(heads_dir: str, k: int = EAGLE_DRAFT_TOKENS) -> ServedConfig:
-    """The plugin's EAGLE head drafter (MultiDraftProposer with eagle_head) drafting k tokens."""
-    return ServedConfig(f"plugin eagle[{os.path.relpath(heads_dir, os.path.dirname(DEMO))}] k={k}",
-                        {"method": "custom_class", "model": "vllm_specplugin.adapters.MultiDraftProposer",
-                         "num_speculative_tokens": k},
-                        {"specplugin": {"eagle_head": heads_dir}})
+def plugin_eagle_config(heads_dir: str, k: int = EAGLE_DRAFT_TOKENS, tree: dict | None = None) -> ServedConfig:
+    """The plugin's EAGLE head drafter (MultiDraftProposer with eagle_head) drafting k tokens, or
+    trees of k nodes (``tree``: tree_drafting) verified whole."""
+    head = os.path.relpath(heads_dir, os.path.dirname(DEMO))
+    name = f"plugin eagle[{head}] k={k}" if tree is None else f"plugin eagle[{head}] {tree.get('shape', 'fixed')} tree {k}"
+    options = {"eagle_head": heads_dir}
+    if tree is not None:
+        options["tree_drafting"] = {"node_budget": k, "verify": "tree", **tree}
+    return ServedConfig(name, {"method": "custom_class", "model": "vllm_specplugin.adapters.MultiDraftProposer",
+                               "num_speculative_tokens": k}, {"specplugin": options})
+
+
+def vllm_eagle_config(heads_dir: str, k: int) -> ServedConfig:
+    config = eagle_config(heads_dir)
+    return ServedConfig(f"{config.name} k={k}", dict(config.speculative_config, num_speculative_tokens=k))
 
 
 served_eagle_head = served_fixture(
-    [ServedConfig("plain"), eagle_config(EAGLE_MB), plugin_eagle_config(EAGLE_MB),
-     plugin_eagle_config(EAGLE_MB, 5), builtin_draft_model_config("demo-mb/draft", 4),
-     plugin_config("plugin demo-mb/draft", ["demo-mb/draft"], 4)],
+    [ServedConfig("plain"), vllm_eagle_config(EAGLE_MB, 3), vllm_eagle_config(EAGLE_MB, 8),
+     plugin_eagle_config(EAGLE_MB), plugin_eagle_config(EAGLE_MB, 8, {"shape": "dynamic"}),
+     plugin_eagle_config(EAGLE_MB, 16, {"shape": "dynamic"}), builtin_draft_model_config("demo-mb/draft", 4)],
     target=os.path.join(DEMO_MB, "target"))
 
 
