@@ -111,9 +111,10 @@ class MultiDraftProposer(CustomClassAdapter):
         from vllm_specplugin.config import SpecPluginConfigError
         from vllm_specplugin.metrics import MetricsPublisher
 
-        if not self.config.drafts and not self.config.eagle_head:
+        if not self.config.drafts and not self.config.eagle_head and not self.config.medusa_heads:
             raise SpecPluginConfigError(
-                "drafts", f"{type(self).__name__} needs 1 to 3 draft checkpoint directories (or eagle_head), got none"
+                "drafts", f"{type(self).__name__} needs 1 to 3 draft checkpoint directories (or eagle_head or "
+                "medusa_heads), got none"
             )
         model_config = vllm_config.model_config
         device = torch.device(vllm_config.device_config.device)
@@ -122,11 +123,16 @@ class MultiDraftProposer(CustomClassAdapter):
         self.target_vocab_size = int(model_config.get_vocab_size())
         self._target_states = None
         self._draft_kernels = None
-        if self.config.eagle_head:
-            from vllm_specplugin.proposers.eagle_head import EagleHeadProposer
+        if self.config.eagle_head or self.config.medusa_heads:
+            if self.config.eagle_head:
+                from vllm_specplugin.proposers.eagle_head import EagleHeadProposer
 
-            # The target's embedding and LM head come at load_model(); see there.
-            proposer = self.head = EagleHeadProposer(self.config.eagle_head, device=device)
+                # The target's embedding and LM head come at load_model(); see there.
+                proposer = self.head = EagleHeadProposer(self.config.eagle_head, device=device)
+            else:
+                from vllm_specplugin.proposers.medusa_heads import MedusaHeadsProposer
+
+                proposer = self.head = MedusaHeadsProposer(self.config.medusa_heads, device=device)
             if self.config.tree_drafting is not None:
                 from vllm_specplugin.proposers.tree import TreeProposer
 
@@ -139,7 +145,8 @@ class MultiDraftProposer(CustomClassAdapter):
             proposer, runtimes, names, weights, choice, metrics = self._build_drafts(vllm_config, model_config, device)
         if proposer.vocab_size > self.target_vocab_size:
             raise SpecPluginConfigError(
-                "eagle_head" if self.head else "drafts", f"the drafter's vocabulary ({proposer.vocab_size}) is larger "
+                ("eagle_head" if self.config.eagle_head else "medusa_heads" if self.head else "drafts"),
+                f"the drafter's vocabulary ({proposer.vocab_size}) is larger "
                 f"than the target's ({self.target_vocab_size})",
             )
         # From here on the adapter uses only the Proposer interface (propose, free,
@@ -176,14 +183,16 @@ class MultiDraftProposer(CustomClassAdapter):
                 max_num_seqs, self.num_speculative_tokens, self.target_vocab_size, dtype=torch.float32, device=device
             )
         self.metrics.draft_probs_buffer_bytes = self.q_buffer_bytes
-        label = "eagle head" if self.head else "ensemble" if len(runtimes) > 1 else "draft"
+        label = ("eagle head" if self.config.eagle_head else "medusa heads" if self.head
+                 else "ensemble" if len(runtimes) > 1 else "draft")
         self.publisher = MetricsPublisher(self.metrics, f"{label}[{', '.join(names)}]")
         if _tp_rank(vllm_config) > 0:
             self.publisher.path = None  # every TP rank drafts the same: /metrics counts rank 0's only
         logger.info(
             "specplugin %s proposer: drafts %s, weights %s, k=%d, %s, %s, prefix sharing %s, dtype %s, "
             "draft kernels %s, memory budget %d MiB, draft-probability buffer %s",
-            label, list(self.config.drafts) or [self.config.eagle_head], [round(w, 3) for w in weights],
+            label, list(self.config.drafts) or [self.config.eagle_head or self.config.medusa_heads],
+            [round(w, 3) for w in weights],
             self.num_speculative_tokens,
             "fixed gamma" if self.gamma_policy is None else f"adaptive gamma {self.gamma_policy}",
             ("chain drafting" if self.config.tree_drafting is None else f"tree drafting {self.config.tree_drafting}")
@@ -246,7 +255,7 @@ class MultiDraftProposer(CustomClassAdapter):
     def load_model(self, target_model=None, *args, **kwargs) -> None:
         """vLLM hands over the target model: an EAGLE head shares its embedding and LM head (as vLLM's
         own EAGLE does); draft models do not need it."""
-        if self.head is None:
+        if not hasattr(self.head, "attach_target"):  # no heads, or Medusa heads (their own LM head)
             return
         inner = getattr(target_model, "model", None)
         embed = getattr(getattr(inner, "embed_tokens", None), "weight", None)

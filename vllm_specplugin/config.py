@@ -65,6 +65,11 @@ class SpecPluginConfig:
     # own "eagle" drafts greedily), or trees with tree_drafting (EAGLE-2's dynamic trees with shape
     # "dynamic"). Needs the runner shim; not with drafts, adaptive_gamma or suffix_drafting.
     eagle_head: str | None = None
+    # A local Medusa heads checkpoint (the directory vLLM's method "medusa" loads) to draft with
+    # (proposers/medusa_heads.py): token j from head j's distribution under the request's sampling,
+    # verified against that q; chains of up to num_heads, or Medusa trees with tree_drafting. The same
+    # restrictions as eagle_head, and not with it.
+    medusa_heads: str | None = None
     # Mixture weights of the drafts; default uniform. Must match `drafts` in length.
     draft_weights: tuple[float, ...] | None = None
     # dtype the drafts run in.
@@ -192,8 +197,9 @@ class SpecPluginConfig:
             values["draft_free_sampler"] = _choice(raw, "draft_free_sampler", ("plain", "rejection"))
         if "drafts" in raw:
             values["drafts"] = _draft_paths(raw["drafts"])
-        if raw.get("eagle_head") is not None:
-            values["eagle_head"] = _eagle_head(raw)
+        for key in ("eagle_head", "medusa_heads"):
+            if raw.get(key) is not None:
+                values[key] = _head_checkpoint(raw, key)
         if "draft_weights" in raw and raw["draft_weights"] is not None:
             values["draft_weights"] = _weights(raw["draft_weights"])
         if "draft_dtype" in raw:
@@ -244,20 +250,24 @@ class SpecPluginConfig:
         return config
 
 
-def _eagle_head(raw: Mapping) -> str:
-    value = raw["eagle_head"]
+def _head_checkpoint(raw: Mapping, key: str) -> str:
+    """A heads drafter's checkpoint directory (eagle_head, medusa_heads) and what it cannot combine with."""
+    value = raw[key]
     if not isinstance(value, str) or not value:
-        raise SpecPluginConfigError("eagle_head", f"expected a checkpoint directory (a string), got {value!r}")
+        raise SpecPluginConfigError(key, f"expected a checkpoint directory (a string), got {value!r}")
     if not os.path.isfile(os.path.join(value, "config.json")):
-        raise SpecPluginConfigError("eagle_head", f"{value!r} is not a checkpoint directory (no config.json)")
+        raise SpecPluginConfigError(key, f"{value!r} is not a checkpoint directory (no config.json)")
     if raw.get("drafts"):
-        raise SpecPluginConfigError("eagle_head", "drafts with an EAGLE head: give one of them")
+        raise SpecPluginConfigError(key, "drafts with a heads drafter: give one of them")
+    for other in ("eagle_head", "medusa_heads"):
+        if other != key and raw.get(other) is not None:
+            raise SpecPluginConfigError(key, f"does not combine with {other} (one heads drafter)")
     for other in ("adaptive_gamma", "suffix_drafting", "draft_weights"):
         if raw.get(other) is not None:
-            raise SpecPluginConfigError("eagle_head", f"does not combine with {other} yet (the head drafts chains or "
+            raise SpecPluginConfigError(key, f"does not combine with {other} yet (the heads draft chains or "
                                         "trees: tree_drafting)")
     if raw.get("runner_shim") is False:
-        raise SpecPluginConfigError("eagle_head", "needs the runner shim (it hands the head the target's hidden states)")
+        raise SpecPluginConfigError(key, "needs the runner shim (it hands the heads the target's hidden states)")
     return value
 
 

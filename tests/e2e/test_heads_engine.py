@@ -81,28 +81,33 @@ def test_heads_serve_and_accept(method):
     assert accepted / drafted > 0.1
 
 
-def test_plugin_eagle_head_drafts_what_vllm_eagle_drafts():
-    """The plugin's EAGLE head drafter (``eagle_head``) at T = 0 drafts the head's argmax chain from the
-    target's hidden states the runner shim hands it, as vLLM's own ``eagle`` does from the states its
-    runner hands its proposer: on the same prompts both engines emit the same tokens and accept the
-    same drafts at every position. A hand-over off by one position (or a head cache out of step with
-    verification) stays exact but accepts less, which only this comparison shows."""
+PLUGIN_KEY = {"eagle": "eagle_head", "medusa": "medusa_heads"}
+
+
+@pytest.mark.parametrize("method", sorted(HEADS))
+def test_plugin_heads_draft_what_vllm_drafts(method):
+    """The plugin's heads drafters (``eagle_head``, ``medusa_heads``) at T = 0 draft the heads' argmax
+    from the target's hidden states the runner shim hands them, as vLLM's own ``eagle`` / ``medusa``
+    do from the states their runner hands them: on the same prompts both engines emit the same tokens
+    and accept the same drafts at every position. A hand-over off by one position (or an EAGLE cache
+    out of step with verification) stays exact but accepts less, which only this comparison shows."""
     from transformers import AutoTokenizer
 
-    heads = HEADS["eagle"]
+    heads = HEADS[method]
+    k = draft_tokens(method, heads)
     tok = AutoTokenizer.from_pretrained(TARGET)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     task = [GenerationTask(prompts, SamplingConfig(temperature=0.0, max_tokens=NEW_TOKENS, n=1, seed=None))]
     runs = {
         "vllm": run_offline(TARGET, task, max_model_len=1024,
-                            speculative_config={"method": "eagle", "model": heads, "num_speculative_tokens": 3}),
+                            speculative_config={"method": method, "model": heads, "num_speculative_tokens": k}),
         "plugin": run_offline(TARGET, task, max_model_len=1024,
-                              speculative_config={"method": "custom_class", "num_speculative_tokens": 3,
+                              speculative_config={"method": "custom_class", "num_speculative_tokens": k,
                                                   "model": "vllm_specplugin.adapters.MultiDraftProposer"},
-                              additional_config={"specplugin": {"eagle_head": heads}}),
+                              additional_config={"specplugin": {PLUGIN_KEY[method]: heads}}),
     }
     metrics = {name: run.tasks[0].spec_decode_metrics for name, run in runs.items()}
     per_pos = {name: m["vllm:spec_decode_num_accepted_tokens_per_pos"] for name, m in metrics.items()}
-    print(f"accepted per position: {per_pos}")
+    print(f"{method}: accepted per position: {per_pos}")
     assert runs["plugin"].tasks[0].outputs == runs["vllm"].tasks[0].outputs
     assert per_pos["plugin"] == per_pos["vllm"] and sum(per_pos["vllm"]) > 0

@@ -1,0 +1,96 @@
+"""proposers/medusa_heads.py: Medusa heads as the plugin's drafter draw each token from its head's
+distribution (the trainer's forward, models/heads.py, which tests/test_heads.py ties to vLLM's
+Medusa), processed with the request's sampling, and serve TreeProposer's trees (the distribution at
+depth j is head j's, whatever tokens are above it)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from vllm_specplugin.models import heads as H  # noqa: E402
+from vllm_specplugin.models.random_llama import make_random_llama  # noqa: E402
+from vllm_specplugin.proposers.base import DraftRequest  # noqa: E402
+from vllm_specplugin.proposers.eagle_head import HeadCheckpointError  # noqa: E402
+from vllm_specplugin.proposers.medusa_heads import MedusaHeadsProposer  # noqa: E402
+from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("medusahead")
+    target_dir = make_random_llama(root / "target", logit_scale=15.0, seed=0)
+    target = H.load_target(target_dir)
+    torch.manual_seed(2)
+    heads = H.MedusaHeads(target.config.hidden_size, 3, 1, target.lm_head.weight)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.2 * torch.randn_like(p))  # the zero init would make every head the target's guess
+    H.save_heads(heads, root / "medusa", target.config.to_dict(), {})
+    return target, root / "medusa"
+
+
+def _states(target, context):
+    f, _ = H.target_hidden_and_logp(target, torch.tensor([context]))
+    return f[0]
+
+
+@torch.no_grad()
+def test_each_draft_is_its_heads_processed_distribution(pair):
+    target, path = pair
+    heads = H.MedusaHeads(target.config.hidden_size, 3, 1, target.lm_head.weight)
+    from safetensors.torch import load_file
+
+    weights = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
+    for j, block in enumerate(heads.blocks):
+        block[0].weight.copy_(weights[f"blocks.{j}.layers.0.weight"])
+        block[0].bias.copy_(weights[f"blocks.{j}.layers.0.bias"])
+    heads.lm_head.copy_(weights["lm_head.weight"])
+    proposer = MedusaHeadsProposer(path)
+    context = list(range(3, 15))
+    f = _states(target, context)
+    want = torch.stack(heads(f[len(context) - 2]))  # [3, V] logits of heads 0..2
+    for rid, params in (("greedy", SamplingParams(0.0)), ("topk", SamplingParams(0.8, 20, 0.9))):
+        draft, = proposer.propose([DraftRequest(rid, context, 5, params, torch.Generator().manual_seed(1),
+                                                hidden_states=f[:len(context) - 1], hidden_start=0)])
+        assert len(draft.token_ids) == 3  # capped by the heads
+        torch.testing.assert_close(draft.probs, processed_probs(want, params), atol=2e-5, rtol=1e-4)
+        if params.greedy:
+            assert draft.token_ids == want.argmax(-1).tolist()
+    # Only the newest verified position's state drafts.
+    stale, = proposer.propose([DraftRequest("stale", context, 3, SamplingParams(0.0),
+                                            hidden_states=f[:len(context) - 2], hidden_start=0)])
+    assert stale.token_ids == [] and proposer.metrics.fallback_requests == 1
+
+
+@torch.no_grad()
+def test_medusa_trees_from_the_heads(pair):
+    from vllm_specplugin.proposers.tree import TreeProposer
+
+    target, path = pair
+    proposer = MedusaHeadsProposer(path)
+    tree = TreeProposer(proposer, node_budget=6, branching=2, verify="tree")
+    context = list(range(5, 17))
+    f = _states(target, context)
+    request = DraftRequest("r", context, 6, SamplingParams(1.0), torch.Generator().manual_seed(3), tree_ok=True,
+                           hidden_states=f[:len(context) - 1], hidden_start=0)
+    draft, = tree.propose([request])
+    assert draft.parents is not None and len(draft.parents) == len(draft.token_ids) + 1 <= 7
+    depths = [0]
+    for parent in draft.parents[1:]:
+        depths.append(depths[parent] + 1)
+    assert max(depths) <= 3 and draft.parents.count(0) >= 2
+    dists = proposer.branch_distributions_of([("r", context, [[1], [2, 3]])])[0]
+    heads = proposer._distributions("r")
+    torch.testing.assert_close(dists, heads[[1, 2]])
+
+
+def test_bad_checkpoint_is_named(pair, tmp_path):
+    _, path = pair
+    with pytest.raises(HeadCheckpointError, match="missing"):
+        MedusaHeadsProposer(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    with pytest.raises(HeadCheckpointError, match="not a Medusa checkpoint"):
+        MedusaHeadsProposer(tmp_path)
