@@ -40,6 +40,9 @@ class ServerStartError(RuntimeError):
     pass
 
 
+PORT_ATTEMPTS = 3  # starts on a fresh port when the chosen one was taken meanwhile
+
+
 class VllmServer:
     """``with VllmServer(model, speculative_config=...) as server: server.base_url``."""
 
@@ -82,17 +85,34 @@ class VllmServer:
         # says how to get it, not in vLLM's hub lookup.
         plugin = (self.additional_config or {}).get("specplugin") or {}
         require_demo_models(self.model, (self.speculative_config or {}).get("model"), *plugin.get("drafts", []))
-        self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            self.args, env={**engine_env(), **self.extra_env}, stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self._log = open(self.log_path, "w")
+            self.process = subprocess.Popen(
+                self.args, env={**engine_env(), **self.extra_env}, stdout=self._log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+            try:
+                self._wait_healthy()
+                return self
+            except ServerStartError:
+                self.stop()
+                # The port was free when chosen, but another process (another server, or a vLLM
+                # engine's own sockets) took it during start-up: choose another and start again.
+                if attempt == PORT_ATTEMPTS or "Address already in use" not in self.log_tail():
+                    raise
+                self._new_port()
+            except BaseException:
+                self.stop()
+                raise
         return self
+
+    def _new_port(self) -> None:
+        old = str(self.port)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        at = self.args.index("--port") + 1
+        assert self.args[at] == old
+        self.args[at] = str(self.port)
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -5,7 +5,7 @@ Each test runs the real engine (one fresh process; eager but for ``COMPILED_CASE
 transformers (``verification.check``):
 
 * T > 0: N continuations of m = 3 tokens for each of 2 prompts (N = 3000 for the honest cases,
-  2000 for the faults but (h) and (i), 500; 61 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
+  2000 for the faults but (h) and (i), 500; 63 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
   and every sampled token checked for support (a token the target gives probability 0 fails).
 * T = 0: vLLM samples one continuation per prompt, so 32 random prompts of 4-48 tokens x 32
   tokens each (1024 tokens): every token must be the reference argmax (within a logit gap of
@@ -131,6 +131,7 @@ MEDUSA_TEMPERATURES = (0.0, 0.7, 1.0)  # vLLM's method "medusa" (greedy drafts, 
 # The plugin's EAGLE head drafter (eagle_head; sampled chains verified against q): T = 0 and 0.7 over
 # M_TOKENS, T = 1.0 (top-k 50, top-p 0.9) over M_LONG tokens, so that samples cross several steps.
 HEAD_SAMPLING_TEMPERATURES = (0.0, 0.7, 1.0)
+MEDUSA_TREE_TEMPERATURES = (0.0, 1.0)  # the plugin's Medusa heads drafter (medusa_heads) growing trees
 # vLLM's draft_model with rejection_sample_method "block" (vllm_specplugin/rejection_methods.py)
 BLOCK_TEMPERATURES = (0.0, 0.7, 1.0)
 # Suffix drafting with the drafter choice (proposers/suffix.py, proposers/choice.py): unseeded at T > 0
@@ -164,11 +165,12 @@ SUITE = {
     "honest_eagle_head_plugin": len(HEAD_SAMPLING_TEMPERATURES),
     "fault_l_head_stale_states": 1,
     "honest_eagle_head_tree": len(HEAD_SAMPLING_TEMPERATURES),
+    "honest_medusa_heads_tree": len(MEDUSA_TREE_TEMPERATURES),
     "honest_block_draft_model": len(BLOCK_TEMPERATURES),
     "honest_suffix_choice": len(SUFFIX_CHOICE_TEMPERATURES),
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 61
+SUITE_HYPOTHESES = sum(SUITE.values())  # 63
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -925,6 +927,23 @@ def test_medusa_heads_are_exact(peaked_target, peaked_medusa, reference):
     report = run_honest("honest_medusa", peaked_target, [sampling(t) for t in MEDUSA_TEMPERATURES], reference,
                         speculative_config=medusa_spec(peaked_medusa))
     assert all(c.acceptance_rate and c.acceptance_rate > 0.02 for c in report.cases)
+
+
+def test_plugin_medusa_heads_trees_are_exact(peaked_target, peaked_medusa, reference):
+    """The plugin's Medusa heads drafter (``medusa_heads``: each node's children drawn without
+    replacement from the processed distribution of the head of its depth, from the target's newest
+    hidden state) growing dynamic trees of up to 6 nodes, 3 deep, verified whole inside vLLM: T = 0
+    and T = 1.0 with top-k 50 / top-p 0.9. Trees must be verified in both cases."""
+    report = run_honest("honest_medusa_heads_tree", peaked_target, [sampling(t) for t in MEDUSA_TREE_TEMPERATURES],
+                        reference, speculative_config=TREE_PROPOSER,
+                        additional_config={"specplugin": {"medusa_heads": peaked_medusa,
+                                                          "tree_drafting": DYNAMIC_TREE_DRAFTING}})
+    for case in report.cases:
+        counters = case.plugin_counters or {}
+        print(f"{case.name}: acceptance {case.acceptance_rate}, trees verified {counters.get('tree_verify_steps')}, "
+              f"non-first children {counters.get('tree_non_first_child_accepted')}")
+        assert counters.get("tree_verify_steps", 0) > 0, (case.name, counters)
+        assert case.acceptance_rate and case.acceptance_rate > 0.02, (case.name, case.acceptance_rate)
 
 
 def test_catches_cpu_expand_kernel_bug_with_medusa(peaked_target, peaked_medusa, reference):
