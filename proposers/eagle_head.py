@@ -179,7 +179,7 @@ class EagleHeadProposer(Proposer):
         if self.embed is None:
             raise RuntimeError("EagleHeadProposer: attach_target() was not called (no embedding / LM head)")
         started = time.perf_counter()
-        self._time_step(started, requests)
+        self.time_step(started, requests)
         drafts = []
         for request in requests:
             self._observe(request)
@@ -229,6 +229,12 @@ class EagleHeadProposer(Proposer):
             keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
         scores = (q @ keys.transpose(-1, -2)) * w.head_dim ** -0.5  # [H, 1, m]
         attention = (scores.softmax(-1) @ values).reshape(-1)  # [H * hd]
+        return self._after_attention(x, attention)
+
+    def _after_attention(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """The layer past its attention: g = r + mlp(rmsnorm(r)), r = x + o_proj(attention);
+        x [..., d], attention [..., H * hd] -> g [..., d]."""
+        w = self.weights
         r = x + attention @ w.o.T
         n = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + w.eps) * w.norm
         return r + (F.silu(n @ w.gate.T) * (n @ w.up.T)) @ w.down.T
@@ -375,7 +381,7 @@ class EagleHeadProposer(Proposer):
             drafts[index] = Draft(tokens, probs)
 
     def time_step(self, now: float, requests: Sequence[DraftRequest]) -> None:
-        self._time_step(now, requests)
+        self._last_call = self.metrics.time_step(self._last_call, now, {request.request_id for request in requests})
 
     def sync_cost_counters(self) -> None:
         """Nothing to gather (EnsembleProposer sums its draft models' counters here)."""
@@ -418,9 +424,7 @@ class EagleHeadProposer(Proposer):
         scores = torch.cat([q @ real_k.transpose(-1, -2), torch.einsum("hpe,hpde->hpd", q, path_k)], -1) * scale
         probs = scores.softmax(-1)
         attention = probs[..., :cache.n] @ real_v + torch.einsum("hpd,hpde->hpe", probs[..., cache.n:], path_v)
-        r = x + attention.transpose(0, 1).reshape(count, -1) @ w.o.T
-        n = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + w.eps) * w.norm
-        g = r + (F.silu(n @ w.gate.T) * (n @ w.up.T)) @ w.down.T
+        g = self._after_attention(x, attention.transpose(0, 1).reshape(count, -1))
         for i, path in enumerate(paths):
             nodes[path] = (g[i], k[:, i], v[:, i])
 
@@ -434,10 +438,3 @@ class EagleHeadProposer(Proposer):
         emitted = list(request.context[pending.context_length:])
         accepted = accepted_count(pending.tokens, emitted)
         self.metrics.record_outcome(len(pending.tokens), accepted)
-
-    def _time_step(self, now: float, requests: Sequence[DraftRequest]) -> None:
-        ids = {request.request_id for request in requests}
-        if self._last_call is not None and self._last_call[1] & ids:
-            self.metrics.step_time_s += now - self._last_call[0]
-            self.metrics.timed_steps += 1
-        self._last_call = (now, ids)

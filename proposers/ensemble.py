@@ -363,12 +363,8 @@ class EnsembleProposer(Proposer):
     def time_step(self, now: float, requests: Sequence[DraftRequest]) -> None:
         """Count the time since the previous call as step time when a request spans both calls
         (the engine was busy stepping it; an idle gap has no request in common)."""
-        ids = {request.request_id for request in requests}
         self._seeded.update(request.request_id for request in requests if request.seeded)
-        if self._last_call is not None and self._last_call[1] & ids:
-            self.metrics.step_time_s += now - self._last_call[0]
-            self.metrics.timed_steps += 1
-        self._last_call = (now, ids)
+        self._last_call = self.metrics.time_step(self._last_call, now, {request.request_id for request in requests})
 
 
 def _unique_names(names: list[str]) -> list[str]:

@@ -145,11 +145,7 @@ class MedusaHeadsProposer(Proposer):
             drafts[index] = Draft(tokens, q)
 
     def time_step(self, now: float, requests: Sequence[DraftRequest]) -> None:
-        ids = {request.request_id for request in requests}
-        if self._last_call is not None and self._last_call[1] & ids:
-            self.metrics.step_time_s += now - self._last_call[0]
-            self.metrics.timed_steps += 1
-        self._last_call = (now, ids)
+        self._last_call = self.metrics.time_step(self._last_call, now, {request.request_id for request in requests})
 
     def sync_cost_counters(self) -> None:
         """Nothing to gather."""

@@ -80,6 +80,16 @@ class DraftMetrics:
             self.agreement.setdefault(name, 0)
             self.verified_positions.setdefault(name, 0)
 
+    def time_step(self, last_call: tuple[float, set[str]] | None, now: float,
+                  request_ids: set[str]) -> tuple[float, set[str]]:
+        """Count the time since the previous propose() call (``last_call``: its time and request ids)
+        as step time when a request spans both calls (the engine was busy stepping it; an idle gap
+        has no request in common). Returns this call's (time, ids), the next call's ``last_call``."""
+        if last_call is not None and last_call[1] & request_ids:
+            self.step_time_s += now - last_call[0]
+            self.timed_steps += 1
+        return now, request_ids
+
     def record_outcome(self, drafted: int, accepted: int) -> None:
         while len(self.drafted_per_position) < drafted:
             self.drafted_per_position.append(0)

@@ -619,6 +619,17 @@ def assert_trees_walked(report) -> None:
 DYNAMIC_TREE_DRAFTING = {"node_budget": TREE_K, "verify": "tree", "shape": "dynamic", "alpha": [0.6, 0.5, 0.5]}
 
 
+def assert_trees_verified(report) -> None:
+    """Every case of a tree configuration verified trees inside vLLM (its counters printed)."""
+    for case in report.cases:
+        counters = case.plugin_counters or {}
+        print(f"{case.name}: acceptance {case.acceptance_rate}, trees verified {counters.get('tree_verify_steps')}, "
+              f"non-first children {counters.get('tree_non_first_child_accepted')}, chain fallbacks "
+              f"{counters.get('tree_chain_fallbacks')}, expected chains drafted by the chain loop "
+              f"{counters.get('tree_chain_steps')}")
+        assert counters.get("tree_verify_steps", 0) > 0, (case.name, counters)
+
+
 def test_dynamic_tree_verification_is_exact(peaked_target, peaked_draft, unrelated_draft, reference):
     """tree_drafting.shape = "dynamic" with a population alpha, composed with the two-draft
     ensemble and prefix sharing: at T = 0 top-k children and the one-hot walk; at T = 1 (top-k 50,
@@ -628,12 +639,7 @@ def test_dynamic_tree_verification_is_exact(peaked_target, peaked_draft, unrelat
                              "tree_drafting": DYNAMIC_TREE_DRAFTING}}
     report = run_honest("honest_tree_dynamic", peaked_target, [sampling(t) for t in DYNAMIC_TREE_TEMPERATURES],
                         reference, speculative_config=TREE_PROPOSER, additional_config=config)
-    for case in report.cases:
-        counters = case.plugin_counters or {}
-        print(f"{case.name}: trees verified {counters.get('tree_verify_steps')}, non-first children "
-              f"{counters.get('tree_non_first_child_accepted')}, chain fallbacks {counters.get('tree_chain_fallbacks')}, "
-              f"expected chains drafted by the chain loop {counters.get('tree_chain_steps')}")
-        assert counters.get("tree_verify_steps", 0) > 0, (case.name, counters)
+    assert_trees_verified(report)
     sampled = report.cases[-1].plugin_counters
     assert sampled.get("tree_non_first_child_accepted", 0) > 0, sampled
 
@@ -938,11 +944,8 @@ def test_plugin_medusa_heads_trees_are_exact(peaked_target, peaked_medusa, refer
                         reference, speculative_config=TREE_PROPOSER,
                         additional_config={"specplugin": {"medusa_heads": peaked_medusa,
                                                           "tree_drafting": DYNAMIC_TREE_DRAFTING}})
+    assert_trees_verified(report)
     for case in report.cases:
-        counters = case.plugin_counters or {}
-        print(f"{case.name}: acceptance {case.acceptance_rate}, trees verified {counters.get('tree_verify_steps')}, "
-              f"non-first children {counters.get('tree_non_first_child_accepted')}")
-        assert counters.get("tree_verify_steps", 0) > 0, (case.name, counters)
         assert case.acceptance_rate and case.acceptance_rate > 0.02, (case.name, case.acceptance_rate)
 
 
@@ -1019,11 +1022,7 @@ def test_plugin_eagle_head_trees_are_exact(peaked_target, peaked_eagle, referenc
                         speculative_config=TREE_PROPOSER,
                         additional_config={"specplugin": {"eagle_head": peaked_eagle,
                                                           "tree_drafting": DYNAMIC_TREE_DRAFTING}})
-    for case in report.cases:
-        counters = case.plugin_counters or {}
-        print(f"{case.name}: acceptance {case.acceptance_rate}, trees verified {counters.get('tree_verify_steps')}, "
-              f"non-first children {counters.get('tree_non_first_child_accepted')}")
-        assert counters.get("tree_verify_steps", 0) > 0, (case.name, counters)
+    assert_trees_verified(report)
     assert report.cases[-1].plugin_counters.get("tree_non_first_child_accepted", 0) > 0
 
 
