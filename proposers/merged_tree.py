@@ -228,6 +228,41 @@ class MergedTree:
     def num_slots(self) -> int:
         return sum(len(g.children) for groups in self.groups for g in groups)
 
+    def prefix(self, num_nodes: int) -> MergedTree:
+        """This tree cut to its first ``num_nodes`` nodes (root included), for vLLM scheduling only
+        a prefix of the drafted nodes: for ``num_nodes`` < :attr:`num_nodes` it is the tree
+        :func:`merge_proposals` gives with ``node_budget = num_nodes - 1``: the slots (in merge
+        order: node, group, draw) up to the one that created the last kept node, every later one
+        cut, duplicates included (so the cut never depends on a slot's own token); the whole tree
+        is itself."""
+        if not 1 <= num_nodes <= self.num_nodes:
+            raise ValueError(f"a prefix of a {self.num_nodes}-node merged tree needs 1..{self.num_nodes} nodes, got {num_nodes}")
+        if num_nodes == self.num_nodes:
+            return self
+        # Slots in merge order; the i-th slot pointing to a node is the i-th entry of its sources.
+        groups: list[tuple[ProposalGroup, ...]] = []
+        sources: list[list[tuple[int, int]]] = [list(self.sources[0])] + [[] for _ in range(1, num_nodes)]
+        seen = [0] * self.num_nodes
+        cut = num_nodes == 1  # a budget of 0 keeps no slot
+        for j in range(num_nodes):
+            kept = []
+            for group in self.groups[j]:
+                slots = []
+                for child in group.children:
+                    if cut:
+                        break
+                    sources[child].append(self.sources[child][seen[child]])
+                    seen[child] += 1
+                    slots.append(child)
+                    # The slot that created the last kept node fills the budget: every later one is cut.
+                    cut = child == num_nodes - 1
+                if slots:
+                    kept.append(ProposalGroup(group.drafter, group.source, group.rule, group.q, tuple(slots)))
+            groups.append(tuple(kept))
+        proposed = [()] + [tuple(sorted({k for k, _ in sources[j]})) for j in range(1, num_nodes)]
+        return MergedTree(self.parents[:num_nodes], self.tokens[:num_nodes], self.depths[:num_nodes], groups,
+                          proposed, [tuple(s) for s in sources], self.vocab_size)
+
     def path(self, node: int) -> list[int]:
         """Tokens root -> ``node`` (the root has none)."""
         out = []

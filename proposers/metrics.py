@@ -62,6 +62,11 @@ class DraftMetrics:
     tree_accepted_tokens: int = 0
     tree_non_first_child_accepted: int = 0
     tree_chain_fallbacks: int = 0
+    # Merged trees (proposers/merged_proposer.py): trees verified with more than one drafter's
+    # proposals, and their accepted nodes by the kind of drafter whose proposal was accepted.
+    tree_merged_steps: int = 0
+    tree_zero_cost_accepted: int = 0
+    tree_model_accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     # Per draft: at verified positions, how often its own top token was the target's token.
@@ -144,6 +149,9 @@ class DraftMetrics:
             "tree_accepted_tokens": self.tree_accepted_tokens,
             "tree_non_first_child_accepted": self.tree_non_first_child_accepted,
             "tree_chain_fallbacks": self.tree_chain_fallbacks,
+            "tree_merged_steps": self.tree_merged_steps,
+            "tree_zero_cost_accepted": self.tree_zero_cost_accepted,
+            "tree_model_accepted": self.tree_model_accepted,
             "drafted_per_position": list(self.drafted_per_position),
             "accepted_per_position": list(self.accepted_per_position),
             "agreement": dict(self.agreement),

@@ -674,6 +674,31 @@ def test_a_budget_keeps_the_first_nodes_of_the_unbudgeted_tree():
                                         for groups in full.groups[: budget + 1] for g in groups)
 
 
+def test_prefix_is_the_tree_merged_with_that_budget():
+    """MergedTree.prefix(n) (what the engine uses when vLLM schedules only n - 1 of the drafted
+    nodes) is exactly merge_proposals(..., node_budget=n - 1): the same nodes, groups, slots and
+    sources, for every cut of every drafter order over many joint draws of three drafters."""
+    worlds = [list(three_drafters())]
+    world = World(4, 11, [Drafter("iid", (-1, 0, 0, 1)), Drafter("fixed", (-1, 0, 1)), Drafter("wor", (-1, 0, 0, 1, 2))])
+    worlds += [[d for d, _ in combo] for combo in itertools.islice(
+        itertools.product(*[drafter_draws(world, k, ()) for k in range(3)]), 0, 400, 7)]
+    checked = 0
+    for proposals in worlds:
+        for order in itertools.permutations(proposals):
+            full = merge_proposals(list(order))
+            assert full.prefix(full.num_nodes) is full
+            for n in range(1, full.num_nodes):
+                expected, got = merge_proposals(list(order), n - 1), full.prefix(n)
+                assert (got.parents, got.tokens, got.depths, got.proposed_by, got.sources) == (
+                    expected.parents, expected.tokens, expected.depths, expected.proposed_by, expected.sources)
+                assert [[(g.drafter, g.source, g.rule, g.children) for g in gs] for gs in got.groups] == [
+                    [(g.drafter, g.source, g.rule, g.children) for g in gs] for gs in expected.groups]
+                checked += got.num_slots < full.num_slots
+    assert checked > 50  # cuts that drop slots were met
+    with pytest.raises(ValueError, match="prefix"):
+        full.prefix(0)
+
+
 def test_chain_and_token_tree_inputs():
     from vllm_specplugin.proposers.tree import build_sampled_tree, build_tree
 

@@ -134,9 +134,7 @@ class MultiDraftProposer(CustomClassAdapter):
 
                 proposer = self.head = MedusaHeadsProposer(self.config.medusa_heads, device=device)
             if self.config.tree_drafting is not None:
-                from vllm_specplugin.proposers.tree import TreeProposer
-
-                proposer = TreeProposer(self.head, **self.config.tree_drafting)
+                proposer = _tree_proposer(self.head, self.config)
             runtimes, names, weights = [], [self.head.name], [1.0]
             self.gamma_policy, choice, metrics = None, None, proposer.metrics
             _check_parallelism(vllm_config, None)
@@ -212,7 +210,6 @@ class MultiDraftProposer(CustomClassAdapter):
         from vllm_specplugin.proposers.ensemble import EnsembleProposer
         from vllm_specplugin.proposers.gamma import AdaptiveGamma
         from vllm_specplugin.proposers.suffix import SuffixDrafter
-        from vllm_specplugin.proposers.tree import TreeProposer
         from vllm_specplugin.draft_kernels import draft_kernels, draft_out_kernels
 
         # SPECPLUGIN_DRAFT_FAULT (robustness tests) wraps this class from above: install.install(),
@@ -243,7 +240,7 @@ class MultiDraftProposer(CustomClassAdapter):
         _check_parallelism(vllm_config, self.gamma_policy)
         proposer: Proposer = ensemble
         if self.config.tree_drafting is not None:
-            proposer = TreeProposer(ensemble, **self.config.tree_drafting)
+            proposer = _tree_proposer(ensemble, self.config)
         if self.gamma_policy is not None:
             proposer = AdaptiveGamma(proposer, self.gamma_policy)
         choice = self.config.drafter_choice()
@@ -602,6 +599,23 @@ class MultiDraftProposer(CustomClassAdapter):
 # switched off after 155 steps on average, about a second of serving.)
 MAX_CONSECUTIVE_DRAFT_FAILURES = 8
 Q_SUM_TOLERANCE = 1e-3  # |Σ q - 1| allowed in a q row handed to vLLM
+
+
+def _tree_proposer(drafter, config):
+    """The TreeProposer over ``drafter`` (an EnsembleProposer or a heads drafter), wrapped in a
+    MergedTreeProposer when tree_drafting.merge names zero-cost drafters."""
+    from vllm_specplugin.proposers.tree import TreeProposer
+
+    settings, merge, share = config.tree_proposer_settings()
+    proposer = TreeProposer(drafter, **settings)
+    if not merge:
+        return proposer
+    from vllm_specplugin.proposers.merged_proposer import MergedTreeProposer
+    from vllm_specplugin.proposers.ngram import NgramDrafter
+    from vllm_specplugin.proposers.suffix import SuffixDrafter
+
+    make = {"suffix": SuffixDrafter, "ngram": NgramDrafter}
+    return MergedTreeProposer(proposer, [(name, make[name](proposer.vocab_size)) for name in merge], share)
 
 
 def _tp_rank(vllm_config) -> int:

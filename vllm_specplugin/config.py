@@ -21,6 +21,8 @@ MAX_DRAFTS = 3
 TREE_VERIFY_MODES = ("chain", "tree")
 # How a tree is grown (proposers/tree.py: TREE_SHAPES, which tests/test_config.py ties to this).
 TREE_SHAPES = ("fixed", "dynamic")
+# Zero-cost drafters tree_drafting.merge may merge with the model's tree (proposers/merged_proposer.py).
+MERGE_DRAFTERS = ("suffix", "ngram")
 # draft_kernels (the drafts' lean forward; draft_kernels.py runs them)
 DRAFT_KERNELS = ("auto", "vllm", "torch")
 # The key's name before the other kernels joined the products; still accepted.
@@ -112,7 +114,11 @@ class SpecPluginConfig:
     # a deep chain, an uncertain one a wide tree), calibrated by alpha (the population's
     # acceptance of a first child by depth, list; null: each request's own, measured), confidence
     # (the draft's mean predicted acceptance over the same steps, list) and calibration_weight (4:
-    # pseudo-observations of alpha against a request's own measurements).
+    # pseudo-observations of alpha against a request's own measurements). merge (verify "tree"
+    # only): zero-cost drafters, a list of "suffix" and "ngram", whose chains are merged with the
+    # model's tree into one tree per request (proposers/merged_proposer.py; verified by SpecInfer's
+    # multi-step rule across drafters), each taking at most ceil(zero_cost_share (0.5) x gamma) tokens
+    # of the budget, the model the rest.
     tree_drafting: dict | None = None
     # Suffix drafting and the drafter choice (proposers/suffix.py, proposers/choice.py): null, or
     # true / an object. Per request and step the plugin then drafts with the zero-cost suffix
@@ -138,6 +144,14 @@ class SpecPluginConfig:
     def acceptance_setting(self):
         """The validated server-wide acceptance rule (:class:`ServerAcceptance`)."""
         return ServerAcceptance() if self.acceptance is None else parse_acceptance(self.acceptance)
+
+    def tree_proposer_settings(self) -> tuple[dict, list[str], float]:
+        """(TreeProposer's keyword arguments, the zero-cost drafters to merge (tree_drafting.merge,
+        in verification order; [] for none), zero_cost_share) of tree_drafting (not None)."""
+        settings = dict(self.tree_drafting)
+        merge = settings.pop("merge", [])
+        share = settings.pop("zero_cost_share", 0.5)
+        return settings, merge, share
 
     @property
     def tree_verify(self) -> str:
@@ -383,18 +397,42 @@ def _tree(value: Any) -> dict:
                 raise SpecPluginConfigError("tree_drafting.calibration_weight", f"expected a number >= 0, got {item!r}")
             out[key] = float(item)
             continue
+        if key == "merge":
+            out[key] = _merge_drafters(item)
+            continue
+        if key == "zero_cost_share":
+            if isinstance(item, bool) or not isinstance(item, (int, float)) or not 0 < item <= 1:
+                raise SpecPluginConfigError("tree_drafting.zero_cost_share", f"expected a number in (0, 1], got {item!r}")
+            out[key] = float(item)
+            continue
         if key not in ("node_budget", "branching", "max_depth"):
             raise SpecPluginConfigError(
                 f"tree_drafting.{key}",
                 "unknown key; known keys are node_budget, branching, max_depth, verify, shape, alpha, confidence, "
-                "calibration_weight",
+                "calibration_weight, merge, zero_cost_share",
             )
         out[key] = _positive_int(value, key, f"tree_drafting.{key}")
     if out.get("shape", "fixed") != "dynamic":
         for key in ("alpha", "confidence", "calibration_weight"):
             if key in out:
                 raise SpecPluginConfigError(f"tree_drafting.{key}", 'applies only to shape "dynamic"')
+    if ("merge" in out or "zero_cost_share" in out) and out.get("verify", "chain") != "tree":
+        key = "merge" if "merge" in out else "zero_cost_share"
+        raise SpecPluginConfigError(f"tree_drafting.{key}", 'merging drafters into one tree needs verify "tree"')
+    if "zero_cost_share" in out and "merge" not in out:
+        raise SpecPluginConfigError("tree_drafting.zero_cost_share", "applies only with merge")
     return out
+
+
+def _merge_drafters(item: Any) -> list[str]:
+    if isinstance(item, str):
+        item = [item]
+    if not isinstance(item, (list, tuple)) or not item or any(name not in MERGE_DRAFTERS for name in item):
+        raise SpecPluginConfigError("tree_drafting.merge",
+                                    f"expected a non-empty list of {list(MERGE_DRAFTERS)}, got {item!r}")
+    if len(set(item)) != len(item):
+        raise SpecPluginConfigError("tree_drafting.merge", f"a drafter is named twice: {item!r}")
+    return list(item)
 
 
 def _probability_list(item: Any, name: str) -> list[float]:

@@ -52,6 +52,7 @@ import torch
 
 from vllm_specplugin.config import SpecPluginConfig
 from vllm_specplugin.logging_utils import get_logger, log_once
+from vllm_specplugin.proposers.merged_tree import MERGED_FAULTS, MergedTree, verify_merged_tree
 from vllm_specplugin.proposers.tree_verify import (
     FAULTS as WALK_RULE_FAULTS,
     AcceptanceRule,
@@ -79,11 +80,15 @@ FAULT_ENV = "SPECPLUGIN_TREE_FAULT"
 #     tree proposer drafts top-k children at T > 0 too (children = "topk"), which the one-hot walk
 #     verifies; q_not_updated acts on the default T > 0 trees (children drawn without replacement).
 #     All need T > 0 to act: a greedy walk verifies one-hot targets, where none changes anything.
+#   merged_residual_not_updated, merged_wrong_q: a merged tree's walk (several drafters' proposals,
+#     tree_drafting.merge) is wrong as proposers/merged_tree.py's MERGED_FAULTS: each drafter's
+#     proposals at a node start again from the target row instead of the residual the earlier
+#     drafter left; a one-hot drafter's token verified with the model draft's q at the same node.
 WALK_FAULTS = ("residual_not_updated", "iid_on_topk", "q_not_updated")
 TOPK_FAULTS = ("residual_not_updated", "iid_on_topk")
 assert set(WALK_FAULTS) <= set(WALK_RULE_FAULTS)
 TREE_FAULTS = ("probe_layout", "no_ancestor_mask", "no_tree_positions", "no_kv_compaction", "first_child_only",
-               *WALK_FAULTS)
+               *WALK_FAULTS, *MERGED_FAULTS)
 
 # Paged-cache layouts of vLLM 0.32's cache tensor [num_blocks, H_kv, B, 2D]. On CPU, one block and
 # head is [K region | V region] of B * D elements each (vLLM views the cache as
@@ -753,19 +758,27 @@ def _verify_trees(runner, step: TreeStep, blocks: list[torch.Tensor], sampled: t
     state = runner._specplugin_tree_state
     metrics = getattr(getattr(runner, "drafter", None), "metrics", None)
     for index, (entry, block) in enumerate(zip(step.entries, blocks)):
+        merged_drafters = None
         try:
             if block is None:
                 raise RuntimeError(f"the logits rows of request {entry.req_id} do not match its tree")
             target, greedy = _target_probs(runner, entry.row, block)
             generator = runner.input_batch.generators.get(entry.row)
-            # The drafted tree's rule and rows (greedy walks need neither: one-hot rule).
-            tree = drafted_tree(runner, entry) if not greedy or step.fault == "iid_on_topk" else None
-            rule = AcceptanceRule.ONE_HOT if tree is None else AcceptanceRule(tree.rule)
-            draft = None
-            if tree is not None and (rule is not AcceptanceRule.ONE_HOT or step.fault == "iid_on_topk"):
-                draft = draft_probs_from_tree(tree)[: entry.num_nodes]
-            accepted, emitted = walk_tree(target, entry.parents, entry.tokens, greedy=greedy, generator=generator,
-                                          fault=step.fault, draft_probs=draft, rule=rule)
+            proposer = tree_proposer(runner)
+            if isinstance(None if proposer is None else proposer.last_trees.get(entry.req_id), MergedTree):
+                tree = drafted_tree(runner, entry)  # several drafters' proposals: SpecInfer's rule across them
+                walk = verify_merged_tree(tree.prefix(entry.num_nodes), target, generator, greedy=greedy,
+                                          fault=step.fault if step.fault in MERGED_FAULTS else None)
+                accepted, emitted, merged_drafters = walk.accepted, walk.emitted, walk.drafters
+            else:
+                # The drafted tree's rule and rows (greedy walks need neither: one-hot rule).
+                tree = drafted_tree(runner, entry) if not greedy or step.fault == "iid_on_topk" else None
+                rule = AcceptanceRule.ONE_HOT if tree is None else AcceptanceRule(tree.rule)
+                draft = None
+                if tree is not None and (rule is not AcceptanceRule.ONE_HOT or step.fault == "iid_on_topk"):
+                    draft = draft_probs_from_tree(tree)[: entry.num_nodes]
+                accepted, emitted = walk_tree(target, entry.parents, entry.tokens, greedy=greedy,
+                                              generator=generator, fault=step.fault, draft_probs=draft, rule=rule)
         except Exception:
             # Keep only vLLM's first token: position 0 (after the root) is verified exactly by the
             # chain sampler too, and one emitted token needs no compaction.
@@ -774,17 +787,38 @@ def _verify_trees(runner, step: TreeStep, blocks: list[torch.Tensor], sampled: t
             sampled[entry.row, 1:] = PLACEHOLDER_TOKEN_ID
             runner._specplugin_tree_paths[entry.req_id] = [0]
             continue
-        runner._specplugin_tree_paths[entry.req_id] = [0] + list(accepted)
-        row = sampled[entry.row]
-        row.fill_(PLACEHOLDER_TOKEN_ID)
-        row[: len(emitted)] = torch.tensor(emitted, dtype=row.dtype, device=row.device)
-        if step.fault != "no_kv_compaction":
-            _compact(step, index, accepted)
-        if metrics is not None:
-            metrics.tree_verify_steps += 1
-            metrics.tree_nodes += entry.num_nodes - 1
-            metrics.tree_accepted_tokens += len(accepted)
-            metrics.tree_non_first_child_accepted += non_first_children(entry.parents, accepted)
+        _emit(runner, step, index, entry, accepted, emitted, sampled, metrics)
+        if merged_drafters is not None:
+            _count_merged(runner, entry.req_id, merged_drafters, metrics)
+
+
+def _emit(runner, step: TreeStep, index: int, entry: TreeEntry, accepted: list[int], emitted: list[int],
+          sampled: torch.Tensor, metrics) -> None:
+    """Write one walk's emitted tokens into its row of ``sampled``, compact its KV and count it."""
+    from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+
+    runner._specplugin_tree_paths[entry.req_id] = [0] + list(accepted)
+    row = sampled[entry.row]
+    row.fill_(PLACEHOLDER_TOKEN_ID)
+    row[: len(emitted)] = torch.tensor(emitted, dtype=row.dtype, device=row.device)
+    if step.fault != "no_kv_compaction":
+        _compact(step, index, accepted)
+    if metrics is not None:
+        metrics.tree_verify_steps += 1
+        metrics.tree_nodes += entry.num_nodes - 1
+        metrics.tree_accepted_tokens += len(accepted)
+        metrics.tree_non_first_child_accepted += non_first_children(entry.parents, accepted)
+
+
+def _count_merged(runner, req_id: str, drafters: Sequence[int], metrics) -> None:
+    """Count a merged tree's accepted nodes by the kind of drafter whose proposal was accepted."""
+    proposer = tree_proposer(runner)
+    if metrics is None or not hasattr(proposer, "accepted_drafter_kinds"):
+        return
+    zero_cost, model = proposer.accepted_drafter_kinds(req_id, drafters)
+    metrics.tree_merged_steps += 1
+    metrics.tree_zero_cost_accepted += zero_cost
+    metrics.tree_model_accepted += model
 
 
 def tree_proposer(runner):

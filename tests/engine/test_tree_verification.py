@@ -240,3 +240,35 @@ def test_dynamic_tree_shape_equals_plain_decoding_and_accepts_at_least_the_fixed
           f"({fixed.get('tree_verify_steps')} tree steps), dynamic {per_step(dynamic):.3f} "
           f"({dynamic.get('tree_verify_steps')} tree steps); sampled groups: {dynamic_run['plugin_groups']['sampled']}")
     assert per_step(dynamic) >= per_step(fixed)
+
+
+@pytest.fixture(scope="module")
+def merged_run():
+    spec, extra = _spec("tree", shape="dynamic")
+    extra["specplugin"]["tree_drafting"]["merge"] = ["suffix", "ngram"]
+    requests = [r for r in _requests() if r["group"] in ("greedy", "sampled")]
+    return run_job(requests, spec, extra, extra_env=_fault_env())
+
+
+def test_merged_drafters_tree_equals_plain_decoding(plain, merged_run):
+    """tree_drafting.merge (issue 31 item 2): the suffix and n-gram drafters' chains merged with the
+    draft model's dynamic tree, verified in one target pass by SpecInfer's rule across drafters.
+    Greedy prompts give plain decoding's tokens; merged trees were verified and accepted proposals
+    of both kinds of drafter (else the merge proves nothing); sampled requests (T = 0.8, top-k 40)
+    run whole with merged trees and no walk failure (their law: tests/statistical)."""
+    greedy = len(PROMPTS)
+    for index in range(greedy):
+        assert merged_run["outputs"][index] == plain["outputs"][index], f"prompt {index} differs from plain decoding"
+    for index in range(greedy, 2 * greedy):
+        assert len(merged_run["outputs"][index]) == MAX_TOKENS
+    assert "tree verification of request" not in merged_run["log"]
+    assert "Traceback" not in merged_run["log"]
+    for group in ("greedy", "sampled"):
+        stats = merged_run["plugin_groups"][group]
+        print(f"{group}: merged trees verified {stats.get('tree_merged_steps')} of {stats.get('tree_verify_steps')} "
+              f"tree steps, accepted on zero-cost proposals {stats.get('tree_zero_cost_accepted')}, on the model's "
+              f"{stats.get('tree_model_accepted')}; accepted per verification step "
+              f"{stats['accepted_tokens'] / max(stats['verify_steps'], 1):.3f}")
+        assert stats.get("tree_merged_steps", 0) > 0
+    greedy_stats = merged_run["plugin_groups"]["greedy"]
+    assert greedy_stats.get("tree_zero_cost_accepted", 0) > 0 and greedy_stats.get("tree_model_accepted", 0) > 0
