@@ -515,7 +515,10 @@ def _recompute_tree_rows(impl, step: TreeStep, layer, query, key, value, kv_cach
     chunk = max(1, TREE_ATTENTION_CHUNK_BYTES // max(1, per_entry))
     node_rows = plan.node_rows.to(device)
     query_rows, query_real = plan.query_rows.to(device), plan.query_real.to(device)
-    for first in range(0, len(plan.sizes), chunk):
+    # No row off a leading chain (every entry a chain: merged trees are walked by the merged rule
+    # even when chain-shaped): the engine's causal rows are already right, only K/V are saved.
+    recompute = plan.query_rows.shape[1] > 0
+    for first in range(0, len(plan.sizes) if recompute else 0, chunk):
         part = slice(first, first + chunk)
         lengths = plan.prefix_lengths[part]
         blocks = max(1, -(-int(lengths.max()) // block))
@@ -688,6 +691,8 @@ def _plan_entries(runner, scheduler_output, num_scheduled_tokens) -> list[TreeEn
     """The tree requests of this step: those whose scheduled drafts are (a BFS prefix of) the tree
     the adapter drafted for them, scheduled as one decode row block (root + drafts)."""
     plans = getattr(runner.drafter, "tree_plans", None) or {}
+    proposer = tree_proposer(runner)
+    drafted = {} if proposer is None else proposer.last_trees
     entries = []
     for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
         plan = plans.get(req_id)
@@ -699,8 +704,11 @@ def _plan_entries(runner, scheduler_output, num_scheduled_tokens) -> list[TreeEn
         if row is None or list(drafts) != tokens[:n] or int(num_scheduled_tokens[row]) != n + 1:
             continue  # not the drafted tree (or not a plain decode row): vLLM verifies it as a chain
         parents = list(parents[: n + 1])
-        if all(parents[i] == i - 1 for i in range(1, n + 1)):
-            continue  # a chain: vLLM's own verifier is the same walk
+        if all(parents[i] == i - 1 for i in range(1, n + 1)) and not isinstance(drafted.get(req_id), MergedTree):
+            # A chain: vLLM's own verifier is the same walk. Not for a merged tree: its rule (each
+            # drafter's own q) must not depend on whether the drafts happened to form a chain,
+            # which depends on the drafted tokens themselves (inexact: tests/statistical).
+            continue
         entries.append(TreeEntry(row, req_id, int(runner.query_start_loc.np[row]), parents,
                                  [-1] + list(tokens[:n]), tree_attention_mask(parents)))
     return entries

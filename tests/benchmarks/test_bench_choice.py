@@ -7,7 +7,9 @@ Served, plain first: plain decoding; vLLM's ``suffix`` (γ 4; its best γ in the
 row is skipped, saying why; vLLM's ``ngram`` (γ 4); the plugin's best model-draft chains of the
 baseline (draft-prose γ 4: code, prose, copy and creative; draft-code γ 6: mixed at T = 1); and the
 plugin's suffix drafting with the drafter choice over draft-prose at ``num_speculative_tokens`` 6
-and ``model_gamma`` 4 (the suffix drafts up to 6, the model 4: its best fixed γ in the baseline). Both suffix drafters once
+and ``model_gamma`` 4 (the suffix drafts up to 6, the model 4: its best fixed γ in the baseline); and the merged
+tree (``tree_drafting.merge``: suffix and n-gram chains and draft-prose's dynamic tree in one tree of
+6 nodes, verified as a tree). Both suffix drafters once
 more without their cache of past requests (vLLM: ``suffix_decoding_max_cached_requests`` 0; the
 plugin: ``corpus_requests`` 0): the rounds repeat the same requests, so at T = 0 a cache of past
 requests drafts a round's greedy outputs from the round before, which first-seen traffic does not get.
@@ -56,6 +58,11 @@ CONFIGS = [
                   suffix_drafting={"model_gamma": 4}),
     plugin_config(f"choice: suffix (own context only) + draft-prose γ 4, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"],
                   CHOICE_GAMMA, suffix_drafting={"corpus_requests": 0, "model_gamma": 4}),
+    # Several drafters in one tree (tree_drafting.merge): the suffix and n-gram chains (each at most
+    # half of k) and draft-prose's dynamic tree with the rest, verified as one tree.
+    plugin_config(f"merged tree: suffix + ngram + draft-prose, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"],
+                  CHOICE_GAMMA, tree_drafting={"verify": "tree", "shape": "dynamic", "node_budget": CHOICE_GAMMA,
+                                               "merge": ["suffix", "ngram"]}),
 ]
 
 

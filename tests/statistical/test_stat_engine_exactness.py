@@ -5,7 +5,7 @@ Each test runs the real engine (one fresh process; eager but for ``COMPILED_CASE
 transformers (``verification.check``):
 
 * T > 0: N continuations of m = 3 tokens for each of 2 prompts (N = 3000 for the honest cases,
-  2000 for the faults but (h) and (i), 500; 63 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
+  2000 for the faults but (h) and (i), 500, and (m) and (n), 1000; 69 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
   and every sampled token checked for support (a token the target gives probability 0 fails).
 * T = 0: vLLM samples one continuation per prompt, so 32 random prompts of 4-48 tokens x 32
   tokens each (1024 tokens): every token must be the reference argmax (within a logit gap of
@@ -55,6 +55,10 @@ power at the current ALPHA before and after its run):
   observed statistic 11325 at df 229;
 * the head's trees (``honest_eagle_head_tree``): the same samplings as its chains, the long case's
   power as the tree long case's;
+* merged-tree faults (m) and (n) (``tree_drafting.merge``: the n-gram chain and the draft's drawn
+  chain in one tree, on the loop prompts): power at the fault's exact effect on token 2 alone (a
+  lower bound, ``merged_first_token_law``) 1 to double precision at N = 2000 (df ~182,
+  noncentrality ~550 and ~1400), asserted >= 0.99 at N = 1000 before the run;
 * fault (a), vLLM-CPU's expand bug: its effect reads uninitialised memory, so its power cannot be
   computed; it is asserted only by its result (the e2e tier measured a consecutive-repeat rate of
   0.58-0.96 under it, against 0.003 for plain sampling).
@@ -136,6 +140,9 @@ MEDUSA_TREE_TEMPERATURES = (0.0, 1.0)  # the plugin's Medusa heads drafter (medu
 BLOCK_TEMPERATURES = (0.0, 0.7, 1.0)
 # Suffix drafting with the drafter choice (proposers/suffix.py, proposers/choice.py): unseeded at T > 0
 SUFFIX_CHOICE_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
+# Several drafters merged into one tree (tree_drafting.merge): T = 0, 0.7 and 1.3 over M_TOKENS, and
+# T = 1.0 (top-k 50, top-p 0.9) over M_LONG tokens (samples cross several merged tree steps).
+MERGED_TREE_TEMPERATURES = (0.0, 0.7, 1.3)
 # The hypotheses of the suite: test -> its cases. SUITE_HYPOTHESES is derived from it, and the
 # module's last check verifies that every test that ran recorded exactly its cases here.
 SUITE = {
@@ -168,9 +175,12 @@ SUITE = {
     "honest_medusa_heads_tree": len(MEDUSA_TREE_TEMPERATURES),
     "honest_block_draft_model": len(BLOCK_TEMPERATURES),
     "honest_suffix_choice": len(SUFFIX_CHOICE_TEMPERATURES),
+    "honest_merged_tree": len(MERGED_TREE_TEMPERATURES) + 1,  # + the long case, in the same engine
+    "fault_m_merged_residual_not_updated": 1,
+    "fault_n_merged_wrong_q": 1,
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 63
+SUITE_HYPOTHESES = sum(SUITE.values())  # 69
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -237,7 +247,7 @@ HONEST = [sampling(t) for t in HONEST_TEMPERATURES]
 RECORD_DIR = os.path.join(REPORT_DIR, "suite-records")
 RUN_ID = os.environ.get("SPECPLUGIN_TEST_RUN_ID", "")
 DECISION_WAIT_S = 1500  # the longest the decision waits for cases still running (pytest-timeout: 1800)
-_PLANS: dict[SamplingConfig, tuple[float, float]] = {}
+_PLANS: dict[tuple, tuple[float, float]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -245,17 +255,19 @@ def reference(peaked_target):
     return TargetReference(peaked_target)
 
 
-def planned_power(reference, config: SamplingConfig) -> tuple[float, float]:
+def planned_power(reference, config: SamplingConfig, prompts=None) -> tuple[float, float]:
     """Power of the decision at TV DELTA at the first token and, the same TV instead at position 2
     (the first token speculation acts on: token 1 is vLLM's prefill sample), planned from exact
-    simulated runs (once per config)."""
+    simulated runs (once per config and prompts; default PROMPTS)."""
+    prompts = PROMPTS if prompts is None else prompts
     config = dataclasses.replace(config, seed=0)  # the plan simulates its own runs: the engine's seed plays no part
-    if config not in _PLANS:
-        plan = plan_power(reference, PROMPTS, config, alpha=ALPHA, delta=DELTA, reps=2)
+    key = (config, tuple(map(tuple, prompts)))
+    if key not in _PLANS:
+        plan = plan_power(reference, prompts, config, alpha=ALPHA, delta=DELTA, reps=2)
         print(f"\nplanned power {config}: {plan.power:.5f} at token 1, {plan.power_speculative:.5f} at "
               f"token 2 (df {plan.df}, alpha {ALPHA:.2g})")
-        _PLANS[config] = (plan.power, plan.power_speculative)
-    return _PLANS[config]
+        _PLANS[key] = (plan.power, plan.power_speculative)
+    return _PLANS[key]
 
 
 # Engines run eager (enforce_eager): the sampling and verification code under test runs outside the
@@ -269,10 +281,11 @@ COMPILED_CASES = ("honest_tree_verification", "honest_eagle_head_tree", "fault_a
 EAGER = {"enforce_eager": True}
 
 
-def check(name, model, samplings, reference, *, fault=False, **kwargs):
+def check(name, model, samplings, reference, *, fault=False, prompts=None, **kwargs):
     assert name in SUITE and SUITE[name] == len(samplings), name
     kwargs.setdefault("engine_options", None if name in COMPILED_CASES else EAGER)
-    report = run_check(model, samplings, PROMPTS, greedy_prompts=GREEDY_PROMPTS, alpha=SUITE_ALPHA,
+    report = run_check(model, samplings, PROMPTS if prompts is None else prompts, greedy_prompts=GREEDY_PROMPTS,
+                       alpha=SUITE_ALPHA,
                        family_size=SUITE_HYPOTHESES, delta=DELTA, reference=reference, progress=False, **kwargs)
     os.makedirs(REPORT_DIR, exist_ok=True)
     with open(os.path.join(REPORT_DIR, f"{name}.json"), "w") as f:
@@ -303,18 +316,18 @@ def read_records() -> dict[str, dict]:
     return records
 
 
-def run_honest(name, model, samplings, reference, **kwargs):
+def run_honest(name, model, samplings, reference, prompts=None, **kwargs):
     for config in samplings:
         if config.temperature > 0:
-            assert min(planned_power(reference, config)) >= POWER, config  # N chosen from this
-    report = check(name, model, samplings, reference, **kwargs)
+            assert min(planned_power(reference, config, prompts)) >= POWER, config  # N chosen from this
+    report = check(name, model, samplings, reference, prompts=prompts, **kwargs)
     for config, case in zip(samplings, report.cases):
         assert not case.rejected and case.pvalue >= ALPHA and case.impossible_count == 0, (
             case.name, case.pvalue, case.worst_node)
         if case.sampling["temperature"] > 0:
             assert case.power_at_delta >= POWER, (case.name, case.power_at_delta, case.df)
             assert case.power_at_delta_speculative >= POWER, (case.name, case.power_at_delta_speculative)
-            assert case.tokens_checked == len(PROMPTS) * config.n * config.max_tokens, case
+            assert case.tokens_checked == len(prompts or PROMPTS) * config.n * config.max_tokens, case
         else:
             assert case.tokens_checked == len(GREEDY_PROMPTS) * GREEDY_TOKENS, case
             print(f"{name} T=0: {case.near_tie_nodes} near-tie node(s), "
@@ -1181,6 +1194,151 @@ def test_suite_holm_decision(request):
     rejected = holm_reject(pvalues, SUITE_ALPHA)
     print(f"\nHolm over {len(pvalues)} cases at {SUITE_ALPHA}: rejected {int(rejected.sum())}, faults {sum(faults)}")
     assert list(rejected) == faults, [(name, p) for name in SUITE for p, _ in cases[name]]
+
+
+# --- several drafters merged into one tree (issue 31 item 2) ---------------------------------
+
+# Prompts whose greedy continuation loops (random 6 tokens, then 24 of the target's greedy tokens,
+# which on these seeds end in a repeated token): the n-gram drafter (own context) then matches once
+# the first sampled token continues the loop, and at T > 0 the suffix drafter matches earlier
+# samples of the same prompt (unseeded requests: the shared corpus of finished requests).
+LOOP_PROMPT_SEEDS = (101, 102)
+LOOP_GREEDY_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def loop_prompts(reference) -> list[list[int]]:
+    prompts = []
+    for seed in LOOP_PROMPT_SEEDS:
+        context = random_prompts(512, 1, 6, seed=seed)[0]
+        for _ in range(LOOP_GREEDY_TOKENS):
+            context.append(int(np.argmax(reference.next_logits(context, [()])[0])))
+        assert context[-1] == context[-2], context  # the loop the drafters are meant to find
+        prompts.append(context)
+    return prompts
+
+
+MERGED_TREE_DRAFTING = {**DYNAMIC_TREE_DRAFTING, "merge": ["suffix", "ngram"]}
+LONG_MERGED_SAMPLING = dataclasses.replace(LONG_TREE_SAMPLING, seed=None)
+
+
+def test_merged_drafters_tree_is_exact(peaked_target, peaked_draft, reference, loop_prompts):
+    """tree_drafting.merge = ["suffix", "ngram"] on the draft model's dynamic trees: per request and
+    step the suffix and n-gram chains (one-hot) and the model's tree merged into one tree, verified
+    by SpecInfer's rule across drafters (proposers/merged_tree.py) inside vLLM. T = 0 (every token
+    the argmax), T = 0.7 and 1.3 (top-k 50, top-p 0.9) over M_TOKENS and T = 1.0 over M_LONG tokens
+    (samples cross several merged tree steps), on the loop prompts (unseeded at T > 0, so the
+    suffix drafter also matches earlier samples). The counters must show merged trees verified and
+    proposals of the zero-cost drafters and of the model accepted in every case."""
+    samplings = [sampling(t) if t == 0 else dataclasses.replace(sampling(t), seed=None)
+                 for t in MERGED_TREE_TEMPERATURES] + [LONG_MERGED_SAMPLING]
+    report = run_honest(
+        "honest_merged_tree", peaked_target, samplings, reference, prompts=loop_prompts,
+        speculative_config=TREE_PROPOSER,
+        additional_config={"specplugin": {"drafts": [peaked_draft], "tree_drafting": MERGED_TREE_DRAFTING}},
+    )
+    assert_trees_verified(report)
+    for case in report.cases:
+        counters = case.plugin_counters or {}
+        print(f"{case.name}: merged trees {counters.get('tree_merged_steps')}, accepted on zero-cost proposals "
+              f"{counters.get('tree_zero_cost_accepted')}, on the model's {counters.get('tree_model_accepted')}")
+        assert counters.get("tree_merged_steps", 0) > 0, counters
+        assert counters.get("tree_zero_cost_accepted", 0) > 0 and counters.get("tree_model_accepted", 0) > 0, counters
+
+
+# The merged faults run with the n-gram drafter alone (its chain a function of the request's own
+# context, so the engine's trees are known) merged with the draft model's drawn chain (fixed shape,
+# branching 1: the model drafts a chain of gamma - len(n-gram chain) tokens drawn from its
+# processed q), T = 1, top-k 50: at a node the n-gram's one-hot slot, then the model's slot.
+MERGED_FAULT_DRAFTING = {"node_budget": TREE_K, "branching": 1, "verify": "tree", "merge": ["ngram"]}
+MERGED_FAULT_SAMPLING = dict(temperature=1.0, top_k=50, top_p=1.0)
+# Power at the faults' effect on token 2 alone, at N = 2000: 1 to double precision for both (df ~182,
+# noncentrality ~550 for (m), ~1400 for (n)); N = 1000 keeps it >= 0.99 (asserted before the run)
+# at half the engine time.
+N_MERGED_FAULT = 1000
+
+
+def merged_first_token_law(draft: TargetReference, config: SamplingConfig, fault: str | None):
+    """``law_for_prompt`` of a merged fault at the second token (the first merged tree step's first
+    emitted token); later tokens are given the target's law, so the power planned from it is a
+    lower bound. At context c = prompt + t1 the n-gram chain z (<= ceil(gamma / 2) tokens) and the
+    model's first draw x ~ q(c) are the root's slots; the first emitted token's law for each x is
+    the merged walk's (``merged_emission_distribution`` with the fault), averaged over x. A merged
+    tree is walked by the merged rule even when it is chain-shaped (the shape depends on the draws).
+    Without the fault this law is the target's (checked by the test): first written with a
+    chain-shaped merged tree verified by vLLM's chain sampler (one-hot q), as the engine then did,
+    it was not (0.023 max deviation at the loop token), which is how the engine's bug was found."""
+    import math
+
+    import torch
+
+    from vllm_specplugin.proposers.merged_tree import DrafterProposal, merge_proposals, merged_emission_distribution
+    from vllm_specplugin.proposers.ngram import match_ngram
+    from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs_rows
+
+    params = SamplingParams(config.temperature, config.top_k, config.top_p)
+    limit = math.ceil(0.5 * TREE_K)  # MergedTreeProposer's zero_cost_share default
+
+    def law_for_prompt(prompt, target):
+        def law(prefixes):
+            out = target(prefixes).copy()
+            for i, prefix in enumerate(prefixes):
+                if len(prefix) != 1:
+                    continue
+                z = match_ngram(np.asarray(list(prompt) + list(prefix), dtype=np.int64), limit)
+                if not z:
+                    continue  # nothing merged: the model's chain, verified by vLLM
+                logits = torch.from_numpy(draft.next_logits(prompt, [tuple(prefix)]))
+                q0 = processed_probs_rows(logits.softmax(-1).log(), [params]).double()[0]
+                q0, p0 = q0 / q0.sum(), torch.from_numpy(out[i])
+                first = torch.zeros_like(p0)
+                for x in torch.nonzero(q0).flatten().tolist():
+                    tree = merge_proposals([DrafterProposal.chain(z[:1]), DrafterProposal.chain([x], q0[None])])
+                    emitted = merged_emission_distribution(tree, p0.expand(tree.num_nodes, -1).clone(), fault=fault)
+                    row = torch.zeros_like(p0)
+                    for seq, weight in emitted.items():
+                        row[seq[0]] += weight
+                    first += q0[x] * row
+                out[i] = first.numpy()
+            return out
+
+        return law
+
+    return law_for_prompt
+
+
+@pytest.mark.parametrize("fault", ["merged_residual_not_updated", "merged_wrong_q"],
+                         ids=["m_merged_residual_not_updated", "n_merged_wrong_q"])
+def test_catches_merged_tree_fault(peaked_target, peaked_draft, reference, loop_prompts, monkeypatch, fault):
+    """(m) the target residual is not carried from one drafter's proposals to the next at a node
+    (the model's slot verified against the target row after the n-gram's token was rejected);
+    (n) the n-gram's one-hot token verified with the model's q (min(1, p/q), residual
+    max(p - q, 0)). Injected with SPECPLUGIN_TREE_FAULT into the merged walk of the engine; power at
+    the fault's exact effect on the second token (``merged_first_token_law``; a lower bound),
+    computed before the run, whose machinery gives the target's law without the fault."""
+    config = sampling(n=N_MERGED_FAULT, **MERGED_FAULT_SAMPLING)
+    draft = TargetReference(peaked_draft)
+    prompt = loop_prompts[0]
+    target = target_law(reference, prompt, config.temperature, config.top_k, config.top_p)
+    loop_token = prompt[-1]
+    honest = merged_first_token_law(draft, config, None)(prompt, target)
+    faulty = merged_first_token_law(draft, config, fault)(prompt, target)
+    np.testing.assert_allclose(honest([(loop_token,)]), target([(loop_token,)]), atol=1e-9)
+    moved = 0.5 * np.abs(faulty([(loop_token,)]) - target([(loop_token,)])).sum()
+    plan = plan_power(reference, loop_prompts, config, alpha=ALPHA, reps=2,
+                      law_for_prompt=merged_first_token_law(draft, config, fault))
+    print(f"\n{fault}: TV at token 2 after the loop token {moved:.4f}; power at its effect on token 2 "
+          f"{plan.power:.6f} (df {plan.df}, noncentrality {[round(x) for x in plan.noncentrality]})")
+    assert plan.power >= POWER
+    monkeypatch.setenv(TREE_FAULT_ENV, fault)
+    letter = {"merged_residual_not_updated": "m", "merged_wrong_q": "n"}[fault]
+    report = check(f"fault_{letter}_{fault}", peaked_target, [config], reference, fault=True, prompts=loop_prompts,
+                   speculative_config=TREE_PROPOSER,
+                   additional_config={"specplugin": {"drafts": [peaked_draft], "tree_drafting": MERGED_FAULT_DRAFTING}})
+    counters = report.cases[0].plugin_counters or {}
+    print(f"merged trees {counters.get('tree_merged_steps')}, accepted on n-gram proposals "
+          f"{counters.get('tree_zero_cost_accepted')}, on the model's {counters.get('tree_model_accepted')}")
+    assert_caught(report)
 
 
 # --- tensor parallelism (issue 14 item 6; outside the suite's Holm family above) ------------
