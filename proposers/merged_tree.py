@@ -225,6 +225,13 @@ class MergedTree:
         return len(self.parents)
 
     @property
+    def one_hot(self) -> bool:
+        """Every proposal is one-hot (deterministic drafters, top-k or greedy model drafts): the
+        tree is then a function of the context, and on a chain the merged rule is the one-hot chain
+        rule (a duplicate slot after a rejected token is rejected surely, changing nothing)."""
+        return all(group.q is None for groups in self.groups for group in groups)
+
+    @property
     def num_slots(self) -> int:
         return sum(len(g.children) for groups in self.groups for g in groups)
 

@@ -524,7 +524,8 @@ def test_a_chain_shaped_merged_tree_is_walked_by_the_merged_rule():
     form a chain: whether they do depends on the drafted tokens (a model's draw equal to the n-gram's
     token shares its node), so verifying chain-shaped ones with vLLM's one-hot chain sampler and the
     rest with the merged rule is inexact (measured in tests/statistical: 0.023 off the target's law
-    at token 2). A model's own chain-shaped tree stays with vLLM's sampler (the same walk)."""
+    at token 2). A model's own chain-shaped tree stays with vLLM's sampler (the same walk), and so
+    does a merged one whose proposals are all one-hot."""
     from vllm_specplugin.proposers.merged_tree import DrafterProposal, merge_proposals
 
     def prepare(self, scheduler_output, num_scheduled_tokens):
@@ -550,6 +551,11 @@ def test_a_chain_shaped_merged_tree_is_walked_by_the_merged_rule():
     assert sampled[1].tolist() == [5, 9]
     assert runner.drafter.metrics.tree_merged_steps == 1 and runner.drafter.metrics.tree_zero_cost_accepted == 1
     runner.drafter.proposer.last_trees = {}  # not a merged tree: a chain is vLLM's
+    tv._tree_prepare_inputs(prepare)(runner, scheduled, np.array([1, 2]))
+    assert tv._CURRENT is None
+    # One-hot proposals only (n-gram and suffix, or a greedy request's model draft): the shape is a
+    # function of the context and vLLM's one-hot chain sampler is the merged rule: vLLM's too.
+    runner.drafter.proposer.last_trees = {"a": merge_proposals([DrafterProposal.chain([5]), DrafterProposal.chain([5])])}
     tv._tree_prepare_inputs(prepare)(runner, scheduled, np.array([1, 2]))
     assert tv._CURRENT is None
 

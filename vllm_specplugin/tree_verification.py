@@ -261,11 +261,16 @@ def tree_attention_batch(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     node). Returns [E, M, H, D] float32.
     """
     entries, nodes, heads, _ = query.shape
+    longest = int(prefix_lengths.max())
+    prefix_key, prefix_value = prefix_key[:, :longest], prefix_value[:, :longest]  # the blocks' tail is padding
     length = prefix_key.shape[1]
     valid = torch.arange(length, device=prefix_key.device)[None, :] < prefix_lengths.to(prefix_key.device)[:, None]
-    keep = valid[:, :, None, None]
-    keys = torch.cat([prefix_key.float().masked_fill(~keep, 0), key.float()], dim=1)  # [E, L + N, H_kv, D]
-    values = torch.cat([prefix_value.float().masked_fill(~keep, 0), value.float()], dim=1)
+    prefix_key, prefix_value = prefix_key.float(), prefix_value.float()
+    if not bool(valid.all()):  # padding rows (entries of different lengths): zero them, NaN included
+        keep = valid[:, :, None, None]
+        prefix_key, prefix_value = prefix_key.masked_fill(~keep, 0), prefix_value.masked_fill(~keep, 0)
+    keys = torch.cat([prefix_key, key.float()], dim=1)  # [E, L + N, H_kv, D]
+    values = torch.cat([prefix_value, value.float()], dim=1)
     group = heads // keys.shape[2]
     if group > 1:
         keys = keys.repeat_interleave(group, dim=2)
@@ -704,10 +709,15 @@ def _plan_entries(runner, scheduler_output, num_scheduled_tokens) -> list[TreeEn
         if row is None or list(drafts) != tokens[:n] or int(num_scheduled_tokens[row]) != n + 1:
             continue  # not the drafted tree (or not a plain decode row): vLLM verifies it as a chain
         parents = list(parents[: n + 1])
-        if all(parents[i] == i - 1 for i in range(1, n + 1)) and not isinstance(drafted.get(req_id), MergedTree):
-            # A chain: vLLM's own verifier is the same walk. Not for a merged tree: its rule (each
-            # drafter's own q) must not depend on whether the drafts happened to form a chain,
-            # which depends on the drafted tokens themselves (inexact: tests/statistical).
+        tree = drafted.get(req_id)
+        if all(parents[i] == i - 1 for i in range(1, n + 1)) and (
+                not isinstance(tree, MergedTree) or tree.prefix(n + 1).one_hot):
+            # A chain: vLLM's own verifier is the same walk. Not for a merged tree with a drawn
+            # model proposal: its rule (that drafter's own q) must not depend on whether the drafts
+            # happened to form a chain, which depends on the drawn tokens themselves (inexact:
+            # tests/statistical). With one-hot proposals only (deterministic drafters, greedy
+            # requests) the shape is fixed by the context, and vLLM's one-hot chain sampler is the
+            # merged rule on a chain.
             continue
         entries.append(TreeEntry(row, req_id, int(runner.query_start_loc.np[row]), parents,
                                  [-1] + list(tokens[:n]), tree_attention_mask(parents)))
