@@ -13,6 +13,7 @@ import torch
 
 from test_tree_shape import FakeEnsemble, flat_q
 from vllm_specplugin.proposers.base import GREEDY, DraftRequest
+from vllm_specplugin.proposers.choice import ChoicePolicy
 from vllm_specplugin.proposers.merged_proposer import MergedTreeProposer
 from vllm_specplugin.proposers.merged_tree import MergedTree, merged_emission_distribution
 from vllm_specplugin.proposers.ngram import NgramDrafter, NgramSettings, match_ngram
@@ -39,11 +40,15 @@ def test_ngram_takes_the_longest_then_most_recent_match():
         NgramSettings(min_n=3, max_n=2)
 
 
-def merged_proposer(params_children="sampled", share=0.5, names=("suffix", "ngram")):
+# Free model drafts: the goodput rule then always lets the model draft (merged trees every step).
+MODEL_ALWAYS = ChoicePolicy(draft_cost=0.0, verify_cost=0.0)
+
+
+def merged_proposer(params_children="sampled", share=0.5, names=("suffix", "ngram"), policy=MODEL_ALWAYS):
     ensemble = FakeEnsemble(flat_q(V, seed=3, spread=1.0), V)
     tree = TreeProposer(ensemble, node_budget=8, verify="tree", shape="dynamic", children=params_children)
     make = {"suffix": lambda: SuffixDrafter(V, SuffixSettings(corpus_requests=0)), "ngram": lambda: NgramDrafter(V)}
-    return MergedTreeProposer(tree, [(name, make[name]()) for name in names], share)
+    return MergedTreeProposer(tree, [(name, make[name]()) for name in names], share, policy)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0)], ids=["t0", "t1"])
@@ -107,3 +112,29 @@ def test_the_share_caps_the_zero_cost_chains_and_free_forgets():
     assert "r" not in proposer.tracked_request_ids()
     with pytest.raises(ValueError, match="zero_cost_share"):
         merged_proposer(share=0.0)
+
+
+def test_a_chain_the_target_keeps_accepting_drafts_alone_and_the_model_comes_back_when_it_fails():
+    """The goodput rule (default costs): a request's zero-cost chain alone, at its full length,
+    while its measured acceptance says it beats the merged tree; the model drafts again once the
+    emitted tokens stop following the chain, and every probe_every-th skipped step meanwhile."""
+    proposer = merged_proposer(policy=ChoicePolicy())
+    context = list(REPEATING)
+    first = proposer.propose([DraftRequest("r", context, 8, GREEDY, tree_ok=True)])[0]
+    assert proposer.skipped_model["r"] and first.token_ids == [7, 8, 9, 5, 6, 7, 8, 9][: len(first.token_ids)]
+    assert len(first.token_ids) > 4  # not capped at ceil(0.5 x 8): the chain drafts alone
+    assert proposer.last_drafters["r"] == ["suffix", "ngram"]
+    skips = []
+    for step in range(8):  # the target emits a token no chain proposed, then "5 6" again (chains keep matching)
+        context += [20 + step, 5, 6]
+        proposer.propose([DraftRequest("r", context, 8, GREEDY, tree_ok=True)])
+        skips.append(proposer.skipped_model["r"])
+    assert not all(skips) and skips[-1] is False, skips
+    assert proposer._states["r"].zero_cost.alpha < 0.5 and proposer.metrics.choice_model_steps > 0
+    # Probes: with the chain always accepted, every probe_every-th skipped step drafts the model.
+    probing = merged_proposer(policy=ChoicePolicy(probe_every=2))
+    pattern = []
+    for _ in range(4):
+        probing.propose([DraftRequest("p", REPEATING, 8, GREEDY, tree_ok=True)])
+        pattern.append(probing.skipped_model["p"])
+    assert pattern == [True, False, True, False]

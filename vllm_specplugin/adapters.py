@@ -606,7 +606,7 @@ def _tree_proposer(drafter, config):
     MergedTreeProposer when tree_drafting.merge names zero-cost drafters."""
     from vllm_specplugin.proposers.tree import TreeProposer
 
-    settings, merge, share = config.tree_proposer_settings()
+    settings, merge, share, skip_model = config.tree_proposer_settings()
     proposer = TreeProposer(drafter, **settings)
     if not merge:
         return proposer
@@ -615,7 +615,8 @@ def _tree_proposer(drafter, config):
     from vllm_specplugin.proposers.suffix import SuffixDrafter
 
     make = {"suffix": SuffixDrafter, "ngram": NgramDrafter}
-    return MergedTreeProposer(proposer, [(name, make[name](proposer.vocab_size)) for name in merge], share)
+    return MergedTreeProposer(proposer, [(name, make[name](proposer.vocab_size)) for name in merge], share,
+                              skip_model=skip_model)
 
 
 def _tp_rank(vllm_config) -> int:

@@ -118,7 +118,9 @@ class SpecPluginConfig:
     # only): zero-cost drafters, a list of "suffix" and "ngram", whose chains are merged with the
     # model's tree into one tree per request (proposers/merged_proposer.py; verified by SpecInfer's
     # multi-step rule across drafters), each taking at most ceil(zero_cost_share (0.5) x gamma) tokens
-    # of the budget, the model the rest.
+    # of the budget, the model the rest; per request and step the model is left out when the
+    # request's measured acceptance says its longest zero-cost chain alone (full length) does better
+    # (skip_model, true; false: the model drafts every step).
     tree_drafting: dict | None = None
     # Suffix drafting and the drafter choice (proposers/suffix.py, proposers/choice.py): null, or
     # true / an object. Per request and step the plugin then drafts with the zero-cost suffix
@@ -145,13 +147,14 @@ class SpecPluginConfig:
         """The validated server-wide acceptance rule (:class:`ServerAcceptance`)."""
         return ServerAcceptance() if self.acceptance is None else parse_acceptance(self.acceptance)
 
-    def tree_proposer_settings(self) -> tuple[dict, list[str], float]:
+    def tree_proposer_settings(self) -> tuple[dict, list[str], float, bool]:
         """(TreeProposer's keyword arguments, the zero-cost drafters to merge (tree_drafting.merge,
-        in verification order; [] for none), zero_cost_share) of tree_drafting (not None)."""
+        in verification order; [] for none), zero_cost_share, skip_model) of tree_drafting (not None)."""
         settings = dict(self.tree_drafting)
         merge = settings.pop("merge", [])
         share = settings.pop("zero_cost_share", 0.5)
-        return settings, merge, share
+        skip_model = settings.pop("skip_model", True)
+        return settings, merge, share, skip_model
 
     @property
     def tree_verify(self) -> str:
@@ -400,6 +403,11 @@ def _tree(value: Any) -> dict:
         if key == "merge":
             out[key] = _merge_drafters(item)
             continue
+        if key == "skip_model":
+            if not isinstance(item, bool):
+                raise SpecPluginConfigError("tree_drafting.skip_model", f"expected true or false, got {item!r}")
+            out[key] = item
+            continue
         if key == "zero_cost_share":
             if isinstance(item, bool) or not isinstance(item, (int, float)) or not 0 < item <= 1:
                 raise SpecPluginConfigError("tree_drafting.zero_cost_share", f"expected a number in (0, 1], got {item!r}")
@@ -409,18 +417,19 @@ def _tree(value: Any) -> dict:
             raise SpecPluginConfigError(
                 f"tree_drafting.{key}",
                 "unknown key; known keys are node_budget, branching, max_depth, verify, shape, alpha, confidence, "
-                "calibration_weight, merge, zero_cost_share",
+                "calibration_weight, merge, zero_cost_share, skip_model",
             )
         out[key] = _positive_int(value, key, f"tree_drafting.{key}")
     if out.get("shape", "fixed") != "dynamic":
         for key in ("alpha", "confidence", "calibration_weight"):
             if key in out:
                 raise SpecPluginConfigError(f"tree_drafting.{key}", 'applies only to shape "dynamic"')
-    if ("merge" in out or "zero_cost_share" in out) and out.get("verify", "chain") != "tree":
-        key = "merge" if "merge" in out else "zero_cost_share"
-        raise SpecPluginConfigError(f"tree_drafting.{key}", 'merging drafters into one tree needs verify "tree"')
-    if "zero_cost_share" in out and "merge" not in out:
-        raise SpecPluginConfigError("tree_drafting.zero_cost_share", "applies only with merge")
+    merge_keys = [key for key in ("merge", "zero_cost_share", "skip_model") if key in out]
+    if merge_keys and out.get("verify", "chain") != "tree":
+        raise SpecPluginConfigError(f"tree_drafting.{merge_keys[0]}", 'merging drafters into one tree needs verify "tree"')
+    for key in merge_keys:
+        if "merge" not in out:
+            raise SpecPluginConfigError(f"tree_drafting.{key}", "applies only with merge")
     return out
 
 

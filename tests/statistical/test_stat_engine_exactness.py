@@ -1249,8 +1249,10 @@ def test_merged_drafters_tree_is_exact(peaked_target, peaked_draft, reference, l
 # The merged faults run with the n-gram drafter alone (its chain a function of the request's own
 # context, so the engine's trees are known) merged with the draft model's drawn chain (fixed shape,
 # branching 1: the model drafts a chain of gamma - len(n-gram chain) tokens drawn from its
-# processed q), T = 1, top-k 50: at a node the n-gram's one-hot slot, then the model's slot.
-MERGED_FAULT_DRAFTING = {"node_budget": TREE_K, "branching": 1, "verify": "tree", "merge": ["ngram"]}
+# processed q; skip_model false: every step), T = 1, top-k 50: at a node the n-gram's one-hot slot,
+# then the model's slot.
+MERGED_FAULT_DRAFTING = {"node_budget": TREE_K, "branching": 1, "verify": "tree", "merge": ["ngram"],
+                         "skip_model": False}
 MERGED_FAULT_SAMPLING = dict(temperature=1.0, top_k=50, top_p=1.0)
 # Power at the faults' effect on token 2 alone, at N = 2000: 1 to double precision for both (df ~182,
 # noncentrality ~550 for (m), ~1400 for (n)); N = 1000 keeps it >= 0.99 (asserted before the run)
