@@ -245,7 +245,10 @@ def test_dynamic_tree_shape_equals_plain_decoding_and_accepts_at_least_the_fixed
 @pytest.fixture(scope="module")
 def merged_run():
     spec, extra = _spec("tree", shape="dynamic")
-    extra["specplugin"]["tree_drafting"]["merge"] = ["suffix", "ngram"]
+    # skip_model false: the model drafts every step, so every step with a zero-cost match is a
+    # merged tree (the goodput rule that may leave the model out: tests/test_merged_proposer.py,
+    # and tests/statistical's honest_merged_tree with it on).
+    extra["specplugin"]["tree_drafting"].update(merge=["suffix", "ngram"], skip_model=False)
     requests = [r for r in _requests() if r["group"] in ("greedy", "sampled")]
     return run_job(requests, spec, extra, extra_env=_fault_env())
 
