@@ -65,9 +65,9 @@ class MergedTreeProposer(Proposer):
 
     ``model``: the :class:`~proposers.tree.TreeProposer` (its ``verify`` must be ``"tree"`` for
     anything to merge). ``zero_cost``: (name, drafter) pairs, tried in this order before the model.
-    ``last_trees[request_id]``: the tree drafted at the latest step, a :class:`MergedTree` when
-    several drafters proposed, else the model's own :class:`~proposers.tree.TokenTree`; the tree
-    verifier reads it. ``last_drafters[request_id]``: the names of the merged tree's drafters, in
+    ``last_trees[request_id]``: the tree drafted at the latest step, a :class:`MergedTree` when a
+    zero-cost drafter proposed (with or without the model), else the model's own
+    :class:`~proposers.tree.TokenTree`; the tree verifier reads it. ``last_drafters[request_id]``: the names of the merged tree's drafters, in
     the order of its drafter indices.
     """
 

@@ -848,8 +848,9 @@ def tree_proposer(runner):
 
 
 def drafted_tree(runner, entry: TreeEntry):
-    """The TokenTree the proposer drafted for this request (``TreeProposer.last_trees``), which must
-    be the one scheduled (the same nodes, parents first, possibly cut to a prefix by vLLM)."""
+    """The tree the proposer drafted for this request (``last_trees``: a TokenTree, or a MergedTree
+    of several drafters), which must be the one scheduled (the same nodes, parents first, possibly
+    cut to a prefix by vLLM)."""
     proposer = tree_proposer(runner)
     tree = None if proposer is None else proposer.last_trees.get(entry.req_id)
     n = entry.num_nodes
