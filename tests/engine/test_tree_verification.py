@@ -275,3 +275,27 @@ def test_merged_drafters_tree_equals_plain_decoding(plain, merged_run):
         assert stats.get("tree_merged_steps", 0) > 0
     greedy_stats = merged_run["plugin_groups"]["greedy"]
     assert greedy_stats.get("tree_zero_cost_accepted", 0) > 0 and greedy_stats.get("tree_model_accepted", 0) > 0
+
+
+@pytest.mark.extended
+def test_merged_tree_with_the_eagle_head_drafter_equals_plain_decoding(plain):
+    """tree_drafting.merge on the plugin's EAGLE head drafter (models/demo/eagle; the heads drafter
+    fits the tree proposer's drafter interface, and the runner shim hands it the target's states at
+    the merged tree's accepted rows): greedy prompts give plain decoding's tokens, merged trees were
+    verified, sampled requests run whole with no walk failure. Extended tier (one more engine)."""
+    spec, _ = _spec("tree", shape="dynamic")
+    extra = {"specplugin": {"eagle_head": os.path.join(DEMO, "eagle"),
+                            "tree_drafting": {"node_budget": NODE_BUDGET, "verify": "tree", "shape": "dynamic",
+                                              "merge": ["suffix", "ngram"], "skip_model": False}}}
+    requests = [r for r in _requests() if r["group"] in ("greedy", "sampled")]
+    run = run_job(requests, spec, extra, extra_env=_fault_env())
+    problems = [f"prompt {index} differs from plain decoding" for index in range(len(PROMPTS))
+                if run["outputs"][index] != plain["outputs"][index]]
+    assert problems == []
+    for index in range(len(PROMPTS), 2 * len(PROMPTS)):
+        assert len(run["outputs"][index]) == MAX_TOKENS
+    assert "tree verification of request" not in run["log"] and "Traceback" not in run["log"]
+    stats = run["plugin_groups"]["greedy"]
+    print(f"EAGLE head + merge, greedy: merged trees {stats.get('tree_merged_steps')}, accepted on zero-cost "
+          f"proposals {stats.get('tree_zero_cost_accepted')}, on the head's {stats.get('tree_model_accepted')}")
+    assert stats.get("tree_merged_steps", 0) > 0
