@@ -98,6 +98,17 @@ class ChoicePolicy:
             raise ValueError(f"model_gamma must be an integer >= 1 or null, got {self.model_gamma!r}")
 
 
+def chain_goodput(policy: ChoicePolicy, alpha: float, length: int) -> float:
+    """Expected tokens per unit of step time of a zero-cost chain of ``length`` at per-token
+    acceptance ``alpha``: ``(1 + E(α, L)) / (1 + v·L)``."""
+    return (1 + expected_accepted(alpha, length)) / (1 + policy.verify_cost * length)
+
+
+def model_goodput(policy: ChoicePolicy, accepted: float, gamma: int) -> float:
+    """... of a model draft of γ tokens that accepts ``accepted`` per step: ``(1 + A) / (1 + (c + v)·γ)``."""
+    return (1 + accepted) / (1 + (policy.draft_cost + policy.verify_cost) * gamma)
+
+
 def expected_accepted(alpha: float, length: int) -> float:
     """E(α, L) = α + α² + ... + α^L: accepted drafts of a chain of L at per-token acceptance α."""
     total, term = 0.0, 1.0
@@ -252,14 +263,13 @@ class DrafterChoice(Proposer):
     # -- the choice ------------------------------------------------------------------------
 
     def choose(self, request: DraftRequest, state: _RequestState, suffix_length: int) -> Choice:
-        c, v = self.policy.draft_cost, self.policy.verify_cost
         best = Choice(NONE, 0, 1.0)
         gamma = min(request.gamma, state.gamma)
-        goodput = (1 + state.model_accepted) / (1 + (c + v) * gamma)
+        goodput = model_goodput(self.policy, state.model_accepted, gamma)
         if goodput > best.goodput:
             best = Choice(MODEL, gamma, goodput)
         if suffix_length:
-            goodput = (1 + expected_accepted(state.suffix_alpha, suffix_length)) / (1 + v * suffix_length)
+            goodput = chain_goodput(self.policy, state.suffix_alpha, suffix_length)
             if goodput > best.goodput:
                 best = Choice(SUFFIX, suffix_length, goodput)
         if best.drafter == NONE and request.gamma > 0:

@@ -43,7 +43,8 @@ from collections.abc import Sequence
 import torch
 
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
-from vllm_specplugin.proposers.choice import Acceptance, ChoicePolicy, expected_accepted
+from vllm_specplugin.proposers.choice import (Acceptance, ChoicePolicy, chain_goodput, expected_accepted,
+                                              model_goodput)
 from vllm_specplugin.proposers.merged_tree import DrafterProposal, MergedTree, merge_proposals
 from vllm_specplugin.proposers.metrics import matched_prefix
 from vllm_specplugin.proposers.tree import tree_accepted_path
@@ -159,9 +160,8 @@ class MergedTreeProposer(Proposer):
     def _skip_model(self, request: DraftRequest, state: _MergeState, length: int) -> bool:
         """The longest zero-cost chain (``length`` tokens) alone beats the merged tree, by the
         choice's goodput model; every ``probe_every``-th skipped step drafts with the model."""
-        c, v = self.policy.draft_cost, self.policy.verify_cost
-        alone = (1 + expected_accepted(state.zero_cost.alpha, length)) / (1 + v * length)
-        merged = (1 + state.model.alpha) / (1 + (c + v) * request.gamma)
+        alone = chain_goodput(self.policy, state.zero_cost.alpha, length)
+        merged = model_goodput(self.policy, state.model.alpha, request.gamma)
         skip = self.skip_model and length > 0 and alone >= merged
         if skip:
             state.skipped += 1

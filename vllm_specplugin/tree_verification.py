@@ -775,6 +775,8 @@ def _verify_trees(runner, step: TreeStep, blocks: list[torch.Tensor], sampled: t
 
     state = runner._specplugin_tree_state
     metrics = getattr(getattr(runner, "drafter", None), "metrics", None)
+    proposer = tree_proposer(runner)
+    drafted = {} if proposer is None else proposer.last_trees
     for index, (entry, block) in enumerate(zip(step.entries, blocks)):
         merged_drafters = None
         try:
@@ -782,8 +784,7 @@ def _verify_trees(runner, step: TreeStep, blocks: list[torch.Tensor], sampled: t
                 raise RuntimeError(f"the logits rows of request {entry.req_id} do not match its tree")
             target, greedy = _target_probs(runner, entry.row, block)
             generator = runner.input_batch.generators.get(entry.row)
-            proposer = tree_proposer(runner)
-            if isinstance(None if proposer is None else proposer.last_trees.get(entry.req_id), MergedTree):
+            if isinstance(drafted.get(entry.req_id), MergedTree):
                 tree = drafted_tree(runner, entry)  # several drafters' proposals: SpecInfer's rule across them
                 walk = verify_merged_tree(tree.prefix(entry.num_nodes), target, generator, greedy=greedy,
                                           fault=step.fault if step.fault in MERGED_FAULTS else None)
@@ -807,7 +808,7 @@ def _verify_trees(runner, step: TreeStep, blocks: list[torch.Tensor], sampled: t
             continue
         _emit(runner, step, index, entry, accepted, emitted, sampled, metrics)
         if merged_drafters is not None:
-            _count_merged(runner, entry.req_id, merged_drafters, metrics)
+            _count_merged(proposer, entry.req_id, merged_drafters, metrics)
 
 
 def _emit(runner, step: TreeStep, index: int, entry: TreeEntry, accepted: list[int], emitted: list[int],
@@ -828,9 +829,8 @@ def _emit(runner, step: TreeStep, index: int, entry: TreeEntry, accepted: list[i
         metrics.tree_non_first_child_accepted += non_first_children(entry.parents, accepted)
 
 
-def _count_merged(runner, req_id: str, drafters: Sequence[int], metrics) -> None:
+def _count_merged(proposer, req_id: str, drafters: Sequence[int], metrics) -> None:
     """Count a merged tree's accepted nodes by the kind of drafter whose proposal was accepted."""
-    proposer = tree_proposer(runner)
     if metrics is None or not hasattr(proposer, "accepted_drafter_kinds"):
         return
     zero_cost, model = proposer.accepted_drafter_kinds(req_id, drafters)

@@ -150,6 +150,18 @@ def greedy_problems(run: dict, plain: dict) -> list[str]:
     return problems
 
 
+def assert_like_plain_decoding(run: dict, plain: dict) -> None:
+    """A tree engine's run of the greedy and sampled groups: every greedy prompt gives plain
+    decoding's tokens, every sampled request runs whole, and no tree walk failed."""
+    greedy = len(PROMPTS)
+    for index in range(greedy):
+        assert run["outputs"][index] == plain["outputs"][index], f"prompt {index} differs from plain decoding"
+    for index in range(greedy, 2 * greedy):
+        assert len(run["outputs"][index]) == MAX_TOKENS
+    assert "tree verification of request" not in run["log"]
+    assert "Traceback" not in run["log"]
+
+
 def test_greedy_tree_verification_equals_plain_decoding(plain, tree_run):
     """Every greedy prompt: the same tokens as plain decoding; and tree verification did verify
     trees and accepted nodes a chain could not have (non-first children)."""
@@ -222,13 +234,7 @@ def test_dynamic_tree_shape_equals_plain_decoding_and_accepts_at_least_the_fixed
     requests run whole with no walk failure; and per verification step the dynamic trees accept at
     least what the fixed trees of the same node budget accept (greedy group: each shape verifies
     the same prompts; the dynamic tree may be a chain, which vLLM's own sampler verifies)."""
-    greedy = len(PROMPTS)
-    for index in range(greedy):
-        assert dynamic_run["outputs"][index] == plain["outputs"][index], f"prompt {index} differs from plain decoding"
-    for index in range(greedy, 2 * greedy):
-        assert len(dynamic_run["outputs"][index]) == MAX_TOKENS
-    assert "tree verification of request" not in dynamic_run["log"]
-    assert "Traceback" not in dynamic_run["log"]
+    assert_like_plain_decoding(dynamic_run, plain)
     fixed = tree_run["plugin_groups"]["greedy"]
     dynamic = dynamic_run["plugin_groups"]["greedy"]
 
@@ -259,13 +265,7 @@ def test_merged_drafters_tree_equals_plain_decoding(plain, merged_run):
     Greedy prompts give plain decoding's tokens; merged trees were verified and accepted proposals
     of both kinds of drafter (else the merge proves nothing); sampled requests (T = 0.8, top-k 40)
     run whole with merged trees and no walk failure (their law: tests/statistical)."""
-    greedy = len(PROMPTS)
-    for index in range(greedy):
-        assert merged_run["outputs"][index] == plain["outputs"][index], f"prompt {index} differs from plain decoding"
-    for index in range(greedy, 2 * greedy):
-        assert len(merged_run["outputs"][index]) == MAX_TOKENS
-    assert "tree verification of request" not in merged_run["log"]
-    assert "Traceback" not in merged_run["log"]
+    assert_like_plain_decoding(merged_run, plain)
     for group in ("greedy", "sampled"):
         stats = merged_run["plugin_groups"][group]
         print(f"{group}: merged trees verified {stats.get('tree_merged_steps')} of {stats.get('tree_verify_steps')} "
@@ -289,12 +289,7 @@ def test_merged_tree_with_the_eagle_head_drafter_equals_plain_decoding(plain):
                                               "merge": ["suffix", "ngram"], "skip_model": False}}}
     requests = [r for r in _requests() if r["group"] in ("greedy", "sampled")]
     run = run_job(requests, spec, extra, extra_env=_fault_env())
-    problems = [f"prompt {index} differs from plain decoding" for index in range(len(PROMPTS))
-                if run["outputs"][index] != plain["outputs"][index]]
-    assert problems == []
-    for index in range(len(PROMPTS), 2 * len(PROMPTS)):
-        assert len(run["outputs"][index]) == MAX_TOKENS
-    assert "tree verification of request" not in run["log"] and "Traceback" not in run["log"]
+    assert_like_plain_decoding(run, plain)
     stats = run["plugin_groups"]["greedy"]
     print(f"EAGLE head + merge, greedy: merged trees {stats.get('tree_merged_steps')}, accepted on zero-cost "
           f"proposals {stats.get('tree_zero_cost_accepted')}, on the head's {stats.get('tree_model_accepted')}")
