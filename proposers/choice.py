@@ -42,10 +42,25 @@ step, so that its A_m can come back. Nothing here changes what is emitted: each 
 exact draft with its own q (one-hot for the suffix), and the choice is made before the step's
 verification, from earlier outcomes.
 
+Costs under load. c and v above are a batch-1 machine's; in a batch of B requests a verified
+draft token costs more of a request's share of the step (the target step turns compute-bound:
+served on this 2-core CPU at concurrency 48, every drafter ran at 0.87-0.99x plain), and a draft
+token less (the draft forwards the batch together). So with ``measure_costs`` (the default) the
+choice measures both while serving, per batch-size class (1, 2-3, 4-7, 8-15, ...;
+:class:`BatchCosts`): the target step's time against the draft tokens it verified, a + b·D (least
+squares, :class:`~vllm_specplugin.proposers.gamma.StepCostModel`), and the model's drafting time
+per draft token d; then v = b / (a / B) and c = d / (a / B), a request's price of one draft token
+over its share of a plain step. Until a class has been measured (8 steps that admitted no request,
+8 of them with a draft count away from the average; where the count has not varied by itself
+after 16 steps, every 4th step of the class drafts nothing) the configured c and v stand. Where even a draft the target
+always accepts cannot pay, ``(1 + γ) / (1 + (c + v)·γ) <= 1``, a request at "no draft" does not
+probe either: at concurrency 48 here nothing is drafted, as plain decoding.
+
 Reproducibility. For a seeded request the choice depends on the request's own history only: its
 own α (starting from fixed priors, not from the population's), its own step count, its own
 context (the suffix drafter matches a seeded request at T > 0 against its own context only).
-Costs are configured, not timed. An unseeded request starts from the population's recent α, kept
+Costs are the configured ones (batch-1 costs, whatever the load: a seeded request keeps drafting
+under load where an unseeded one stops), never timed. An unseeded request starts from the population's recent α, kept
 apart for greedy and sampled requests (a suffix draft that greedy requests accept nearly always is
 accepted with p(x) by a sampled one, so one average for both would start sampled requests on
 suffix drafts that fail).
@@ -54,14 +69,18 @@ suffix drafts that fail).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
+from vllm_specplugin.proposers.gamma import AdaptiveGamma, StepCostModel
 from vllm_specplugin.proposers.metrics import accepted_count, matched_prefix
 from vllm_specplugin.proposers.suffix import SuffixDrafter
 
 SUFFIX, MODEL, NONE = "suffix", "model", "none"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,6 +96,7 @@ class ChoicePolicy:
     population_weight: float = 0.05  # weight of each outcome in the population's α (unseeded starts)
     probe_every: int = 4  # at "no draft", draft with the model every this many steps
     model_gamma: int | None = None  # the model's γ (None: num_speculative_tokens, which also caps the suffix)
+    measure_costs: bool = True  # unseeded requests: c and v measured per batch-size class while serving
 
     def __post_init__(self):
         for name in ("draft_cost", "verify_cost"):
@@ -93,18 +113,29 @@ class ChoicePolicy:
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
         if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
+        if not isinstance(self.measure_costs, bool):
+            raise ValueError(f"measure_costs must be true or false, got {self.measure_costs!r}")
         if self.model_gamma is not None and (isinstance(self.model_gamma, bool) or not isinstance(self.model_gamma, int)
                                              or self.model_gamma < 1):
             raise ValueError(f"model_gamma must be an integer >= 1 or null, got {self.model_gamma!r}")
 
 
-def chain_goodput(policy: ChoicePolicy, alpha: float, length: int) -> float:
+@dataclass(frozen=True)
+class Prices:
+    """c and v of one batch-size class as measured (:meth:`BatchCosts.ratios`); a ChoicePolicy
+    carries the configured ones under the same names."""
+
+    draft_cost: float
+    verify_cost: float
+
+
+def chain_goodput(policy: ChoicePolicy | Prices, alpha: float, length: int) -> float:
     """Expected tokens per unit of step time of a zero-cost chain of ``length`` at per-token
     acceptance ``alpha``: ``(1 + E(α, L)) / (1 + v·L)``."""
     return (1 + expected_accepted(alpha, length)) / (1 + policy.verify_cost * length)
 
 
-def model_goodput(policy: ChoicePolicy, accepted: float, gamma: int) -> float:
+def model_goodput(policy: ChoicePolicy | Prices, accepted: float, gamma: int) -> float:
     """... of a model draft of γ tokens that accepts ``accepted`` per step: ``(1 + A) / (1 + (c + v)·γ)``."""
     return (1 + accepted) / (1 + (policy.draft_cost + policy.verify_cost) * gamma)
 
@@ -136,6 +167,73 @@ class Acceptance:
     def observe(self, accepted: int, tested: int, weight: float) -> None:
         self.accepted = (1 - weight) * self.accepted + weight * accepted
         self.tested = (1 - weight) * self.tested + weight * tested
+
+
+class BatchCosts:
+    """c and v measured while serving, per batch-size class (the power of two at or below B).
+
+    Between two :meth:`step_started` calls the engine ran one target step over the drafts of the
+    call before: its time and draft count feed the class's :class:`StepCostModel` (a + b·D), unless
+    the step admitted a request (its prompt's prefill is not a decoding step's cost). The model's
+    drafting time per draft token (d) is fed by :meth:`observe_draft`, catch-up forwards included:
+    a request that switches from suffix drafts to the model pays them every time."""
+
+    SLOPE_PROBE_EVERY = 4  # in an unmeasured class, every this many steps nobody drafts
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock  # seconds (float); tests drive a synthetic one
+        self.by_class: dict[int, StepCostModel] = {}
+        self._last_end: float | None = None
+        self._last_ids: set[str] = set()
+        self._last_verified = 0
+        self._last_class = 1
+        self._steps = 0
+        self._reported: set[int] = set()
+
+    def model(self, batch_size: int) -> StepCostModel:
+        return self.by_class.setdefault(AdaptiveGamma.batch_class(batch_size), StepCostModel())
+
+    def step_started(self, request_ids: set[str], admitting: bool) -> None:
+        started = self.clock()
+        self._steps += 1
+        if self._last_end is not None and not admitting and request_ids & self._last_ids:
+            self.by_class.setdefault(self._last_class, StepCostModel()).observe_target(
+                self._last_verified, started - self._last_end)
+
+    def observe_draft(self, batch_size: int, drafted: int, seconds: float) -> None:
+        self.model(batch_size).observe_draft(drafted, seconds)
+
+    def step_ended(self, request_ids: set[str], batch_size: int, verified: int) -> None:
+        """``verified``: the draft tokens this call handed the engine (all requests)."""
+        self._last_end, self._last_ids, self._last_verified = self.clock(), request_ids, verified
+        self._last_class = AdaptiveGamma.batch_class(batch_size)
+
+    def slope_probe(self, batch_size: int) -> bool:
+        """Whether this step should draft nothing, so that the class's draft count varies (at a
+        steady draft count the slope b cannot be told from the base a). Only once the class has
+        seen 2 x MIN_STEPS steps without enough variation: alone, a request's draft count varies
+        by itself (suffix chains, model drafts, nothing), and a probe step costs its drafts."""
+        model = self.by_class.get(AdaptiveGamma.batch_class(batch_size))
+        return (model is not None and model.steps >= 2 * StepCostModel.MIN_STEPS and not model.slope_measured
+                and self._steps % self.SLOPE_PROBE_EVERY == self.SLOPE_PROBE_EVERY // 2)
+
+    def ratios(self, batch_size: int) -> tuple[float | None, float] | None:
+        """(c, v) for one request of a batch of ``batch_size``: the model's draft time per draft
+        token and the target step's growth per verified draft token, each over the request's share
+        of a step without drafts (a / B). c is None where the model has not drafted in this class;
+        None while the class is unmeasured."""
+        batch_class = AdaptiveGamma.batch_class(batch_size)
+        model = self.by_class.get(batch_class)
+        if model is None or model.steps < StepCostModel.MIN_STEPS or not model.slope_measured:
+            return None
+        share = model.base / max(batch_size, 1)
+        c = None if model.draft_per_token is None else model.draft_per_token / share
+        v = model.slope / share
+        if batch_class not in self._reported:
+            self._reported.add(batch_class)
+            logger.info("drafter choice: batch class %d measured: v %.3f, c %s (plain step share %.2f ms)",
+                        batch_class, v, "unmeasured" if c is None else f"{c:.3f}", share * 1e3)
+        return c, v
 
 
 @dataclass
@@ -178,7 +276,8 @@ class Choice:
 class DrafterChoice(Proposer):
     """Per request and step: the suffix drafter, the model proposer at some γ, or nothing."""
 
-    def __init__(self, model: Proposer, suffix: SuffixDrafter, policy: ChoicePolicy = ChoicePolicy()):
+    def __init__(self, model: Proposer, suffix: SuffixDrafter, policy: ChoicePolicy = ChoicePolicy(),
+                 clock=time.perf_counter):
         self.model = model
         self.suffix = suffix
         self.policy = policy
@@ -190,6 +289,8 @@ class DrafterChoice(Proposer):
         self.population = {(SUFFIX, sampled): Acceptance(policy.suffix_prior) for sampled in (False, True)}
         self._model_population: dict[tuple[int, bool], Acceptance] = {}  # (k, sampled) -> accepted per step
         self.last_choices: dict[str, Choice] = {}  # request id -> this step's choice (tests, logs)
+        self.costs = BatchCosts(clock)  # measured c and v per batch-size class (unseeded requests)
+        self.last_prices: ChoicePolicy | Prices = policy  # the prices unseeded requests were chosen at
 
     @property
     def population_alpha(self) -> dict[tuple[str, bool], float]:
@@ -262,37 +363,63 @@ class DrafterChoice(Proposer):
 
     # -- the choice ------------------------------------------------------------------------
 
-    def choose(self, request: DraftRequest, state: _RequestState, suffix_length: int) -> Choice:
+    def choose(self, request: DraftRequest, state: _RequestState, suffix_length: int,
+               prices: ChoicePolicy | Prices | None = None) -> Choice:
+        """The best option at ``prices`` (c and v; the configured ones when None)."""
+        prices = self.policy if prices is None else prices
         best = Choice(NONE, 0, 1.0)
         gamma = min(request.gamma, state.gamma)
-        goodput = model_goodput(self.policy, state.model_accepted, gamma)
+        goodput = model_goodput(prices, state.model_accepted, gamma)
         if goodput > best.goodput:
             best = Choice(MODEL, gamma, goodput)
         if suffix_length:
-            goodput = chain_goodput(self.policy, state.suffix_alpha, suffix_length)
+            goodput = chain_goodput(prices, state.suffix_alpha, suffix_length)
             if goodput > best.goodput:
                 best = Choice(SUFFIX, suffix_length, goodput)
         if best.drafter == NONE and request.gamma > 0:
             state.idle_steps += 1
-            if state.idle_steps % self.policy.probe_every == 0:
-                best = Choice(MODEL, min(request.gamma, state.gamma), 1.0)  # a probe keeps the model's estimate current
+            # A probe keeps the model's estimate current, unless even a draft the target always
+            # accepts would not pay at these prices (a large batch on a compute-bound machine).
+            if state.idle_steps % self.policy.probe_every == 0 and model_goodput(prices, gamma, gamma) > 1:
+                best = Choice(MODEL, gamma, 1.0)
         else:
             state.idle_steps = 0
         return best
 
+    def _prices(self, batch_size: int) -> tuple[ChoicePolicy | Prices, bool]:
+        """(prices for this step's unseeded requests, whether they should draft nothing this step
+        so that an unmeasured batch-size class sees its draft count vary)."""
+        if not self.policy.measure_costs:
+            return self.policy, False
+        ratios = self.costs.ratios(batch_size)
+        if ratios is None:
+            return self.policy, self.costs.slope_probe(batch_size)
+        c, v = ratios
+        return Prices(self.policy.draft_cost if c is None else c, v), False
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         drafts: list[Draft | None] = [None] * len(requests)
-        chains = []
         to_model: list[tuple[int, DraftRequest]] = []
         self.last_choices = {}
+        ids = {r.request_id for r in requests}
+        # A request seen for the first time was prefilled by the last target step: not a decoding step's cost.
+        admitting = any(r.request_id not in self._states for r in requests)
+        if self.policy.measure_costs:
+            self.costs.step_started(ids, admitting)
+        prices, slope_probe = self._prices(len(requests))
+        self.last_prices = prices
         for i, request in enumerate(requests):
             state = self._state(request)
             self._observe(request, state)
             chain = self.suffix.chain(request)
-            chains.append(chain)
             state.context_length = len(request.context)
             state.suffix_tokens = list(chain.tokens)
-            choice = self.choose(request, state, len(chain.tokens)) if request.gamma > 0 else Choice(NONE, 0, 1.0)
+            if request.gamma <= 0 or (slope_probe and not request.seeded):
+                choice = Choice(NONE, 0, 1.0)
+            elif request.seeded:  # its own history only: the configured prices, whatever the load
+                choice = self.choose(request, state, len(chain.tokens))
+            else:
+                choice = self.choose(request, state, len(chain.tokens), prices)
             self.last_choices[request.request_id] = choice
             if self.metrics is not None:
                 name = f"choice_{choice.drafter}_steps"
@@ -304,7 +431,14 @@ class DrafterChoice(Proposer):
                 tokens = list(chain.tokens)
                 drafts[i] = Draft(tokens, self.suffix.one_hot(tokens))
         if to_model:
+            # A request new to the draft model prefills its whole context there: not a draft token's price.
+            tracked = self.model.tracked_request_ids()
+            fresh = any(request.request_id not in tracked for _, request in to_model)
+            draft_started = self.costs.clock()
             model_drafts = self.model.propose([request for _, request in to_model])
+            if self.policy.measure_costs and not admitting and not fresh:
+                self.costs.observe_draft(len(requests), sum(len(d.token_ids) for d in model_drafts),
+                                         self.costs.clock() - draft_started)
             if len(model_drafts) != len(to_model):
                 raise RuntimeError(f"the model proposer returned {len(model_drafts)} drafts for {len(to_model)} requests")
             for (i, request), draft in zip(to_model, model_drafts):
@@ -314,4 +448,6 @@ class DrafterChoice(Proposer):
         for i, request in enumerate(requests):
             if drafts[i] is None:
                 drafts[i] = self.empty_draft()
+        if self.policy.measure_costs:
+            self.costs.step_ended(ids, len(requests), sum(len(d.token_ids) for d in drafts))
         return drafts  # type: ignore[return-value]

@@ -162,13 +162,17 @@ class StepCostModel:
             w = self._weight(self.draft_steps)
             self.draft_per_token = per_token if d is None else (1 - w) * d + w * per_token
 
+    @property
+    def base(self) -> float:
+        """a: seconds of a target step without drafts (the fit's intercept; call after observe_target)."""
+        mean_x, mean_y = self._moments[0], self._moments[1]
+        return max(mean_y - self.slope * mean_x, 1e-6)
+
     def cost_ratio(self, batch_size: int) -> float | None:
         """c for one request: (b + d) over its share of a step without drafts, a / batch."""
         if self.steps < self.MIN_STEPS or self.draft_per_token is None:
             return None
-        mean_x, mean_y = self._moments[0], self._moments[1]
-        base = max(mean_y - self.slope * mean_x, 1e-6)
-        return (self.slope + self.draft_per_token) / (base / max(batch_size, 1))
+        return (self.slope + self.draft_per_token) / (self.base / max(batch_size, 1))
 
 
 def _logit(p):

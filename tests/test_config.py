@@ -74,6 +74,8 @@ def test_suffix_drafting_config():
         {"suffix_drafting": {"min_match": 3, "corpus_requests": 0, "draft_cost": 0.3, "probe_every": 4}}
     ).drafter_choice()
     assert (settings.min_match, settings.corpus_requests, policy.draft_cost, policy.probe_every) == (3, 0, 0.3, 4)
+    assert policy.measure_costs is True
+    assert SpecPluginConfig.from_dict({"suffix_drafting": {"measure_costs": False}}).drafter_choice()[1].measure_costs is False
 
 
 def test_json_string_is_accepted():
@@ -142,6 +144,8 @@ MALFORMED = [
      "suffix_drafting.draft_cost"),
     ("suffix drafting matches crossed", {"specplugin": {"suffix_drafting": {"min_match": 5, "max_match": 3}}},
      "suffix_drafting"),
+    ("suffix drafting measure_costs not a bool", {"specplugin": {"suffix_drafting": {"measure_costs": 1}}},
+     "suffix_drafting.measure_costs"),
     ("suffix drafting prior above one", {"specplugin": {"suffix_drafting": {"suffix_prior": 1.5}}}, "suffix_drafting"),
     ("suffix drafting with adaptive gamma", {"specplugin": {"suffix_drafting": True, "adaptive_gamma": True}},
      "suffix_drafting"),

@@ -10,7 +10,8 @@ import torch
 
 from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 from vllm_specplugin.proposers.base import DraftRequest
-from vllm_specplugin.proposers.choice import MODEL, NONE, SUFFIX, ChoicePolicy, DrafterChoice, expected_accepted
+from vllm_specplugin.proposers.choice import (MODEL, NONE, SUFFIX, ChoicePolicy, DrafterChoice, Prices,
+                                              expected_accepted)
 from vllm_specplugin.proposers.draft_runtime import DraftRuntime
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.sampling import SamplingParams
@@ -137,8 +138,9 @@ def periodic(period: int):
     return lambda rid, context: context[-period]
 
 
-# The mechanics below at a fast-reacting average (the default, 0.1, is slower on purpose).
-FAST = ChoicePolicy(ema_weight=0.3, probe_every=8)
+# The mechanics below at a fast-reacting average (the default, 0.1, is slower on purpose), at the
+# configured prices (this loop's steps take microseconds: measured, they would price any draft out).
+FAST = ChoicePolicy(ema_weight=0.3, probe_every=8, measure_costs=False)
 
 
 def test_a_looping_target_is_drafted_by_the_suffix_at_no_draft_cost(runtime):
@@ -215,7 +217,7 @@ def test_the_choice_maximises_the_goodput_formula(runtime):
 def test_greedy_traffic_does_not_set_the_start_of_sampled_requests(runtime):
     """Population averages are kept apart for greedy and sampled requests: suffix drafts that
     greedy requests accept nearly always must not start a T = 1 request on suffix drafts."""
-    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB))
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), ChoicePolicy(measure_costs=False))
     for i in range(4):
         serve(choice, {f"g{i}": loop_context(10 + i)}, periodic(6), steps=6)
         choice.free(f"g{i}")
@@ -242,3 +244,85 @@ def test_acceptance_is_a_ratio_of_averages_and_recovers_the_per_token_rate():
         ratios.append(accepted / tested)
     assert estimate.alpha == pytest.approx(0.78, abs=0.03)
     assert np.mean(ratios) < 0.65
+
+
+class StepClock:
+    """Synthetic time for the choice's cost measurement: a target step of a batch of B verifying
+    D draft tokens takes ``base[B] + slope[B] * D`` seconds; drafting takes none."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def serve_timed(choice: DrafterChoice, clock: StepClock, contexts: dict[str, list[int]], steps: int,
+                base: float, slope: float, seeded: frozenset = frozenset()) -> list[dict[str, str]]:
+    """``serve`` (a period-6 greedy target) with the target step's time on ``clock``."""
+    seen = []
+    for _ in range(steps):
+        requests = [DraftRequest(rid, list(ctx), 4, SamplingParams(temperature=0.0), seeded=rid in seeded)
+                    for rid, ctx in contexts.items()]
+        drafts = choice.propose(requests)
+        seen.append({rid: c.drafter for rid, c in choice.last_choices.items()})
+        clock.now += base + slope * sum(len(d.token_ids) for d in drafts)
+        for request, draft in zip(requests, drafts):
+            context = contexts[request.request_id]
+            context.extend(draft.token_ids)  # the period-6 target accepts every suffix draft
+            context.append(context[-6])
+    return seen
+
+
+def test_under_load_the_choice_drafts_nothing_where_a_verified_token_costs_a_whole_share(runtime):
+    """Batch 16 on a compute-bound machine: each verified draft token costs what a request's share
+    of a plain step costs (v = 1), so even drafts that are always accepted do not pay; alone, v is
+    small and the suffix drafts. The choice measures v per batch-size class and stops drafting
+    (no probes either) at 16, while a seeded request keeps its batch-1 prices."""
+    clock = StepClock()
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), ChoicePolicy(), clock=clock)
+    alone = serve_timed(choice, clock, {"alone": loop_context(20)}, steps=60, base=0.010, slope=0.0005)
+    # Its chain of 4 every step does not vary the draft count: a few steps draft nothing (slope probes).
+    assert [step["alone"] for step in alone].count(NONE) <= 8 and all(step["alone"] == SUFFIX for step in alone[-10:])
+    c, v = choice.costs.ratios(1)
+    assert v == pytest.approx(0.05, rel=0.05)
+    choice.free("alone")
+
+    contexts = {f"r{i}": loop_context(30 + i) for i in range(16)}
+    loaded = serve_timed(choice, clock, contexts, steps=80, base=0.016, slope=0.001, seeded=frozenset({"r0"}))
+    c, v = choice.costs.ratios(16)
+    assert v == pytest.approx(1.0, rel=0.05)
+    assert isinstance(choice.last_prices, Prices) and choice.last_prices.verify_cost == v
+    assert all(step[rid] == NONE for step in loaded[-30:] for rid in contexts if rid != "r0"), loaded[-1]
+    # The seeded request is chosen at the configured prices whatever the load: its suffix drafts go on.
+    assert all(step["r0"] == SUFFIX for step in loaded[1:]), [step["r0"] for step in loaded]
+    # While class 16 was unmeasured, the unseeded requests drafted (at the configured prices).
+    assert sum(step["r1"] == SUFFIX for step in loaded[:10]) >= 5
+
+
+def test_under_load_an_unmeasured_class_varies_its_draft_count_by_drafting_nothing(runtime):
+    """Every request's suffix chain of 4 accepted every step: the draft count never varies, so the
+    slope cannot be measured until steps without drafts are interleaved (every 4th, after 16 steps)."""
+    clock = StepClock()
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), ChoicePolicy(), clock=clock)
+    contexts = {f"r{i}": loop_context(50 + i) for i in range(8)}
+    seen = serve_timed(choice, clock, contexts, steps=60, base=0.012, slope=0.0002)
+    c, v = choice.costs.ratios(8)
+    assert v == pytest.approx(0.0002 / (0.012 / 8), rel=0.05)
+    undrafted = [i for i, step in enumerate(seen) if all(d == NONE for d in step.values())]
+    assert undrafted and min(undrafted) >= 16 and len(undrafted) <= 12, undrafted
+    assert all(d == SUFFIX for d in seen[-1].values())  # v 0.13 at batch 8: the suffix still pays
+
+
+def test_batch_costs_leave_out_steps_that_admit_a_request():
+    from vllm_specplugin.proposers.choice import BatchCosts
+
+    clock = StepClock()
+    costs = BatchCosts(clock)
+    for step in range(40):
+        costs.step_started({"a"}, admitting=step % 2 == 1)  # every other step "prefilled" a prompt
+        drafted = (step % 3) * 4
+        costs.step_ended({"a"}, 1, drafted)
+        clock.now += 0.010 + 0.001 * drafted + (0.5 if step % 2 == 0 else 0.0)  # admitting steps after even calls
+    c, v = costs.ratios(1)
+    assert v == pytest.approx(0.1, rel=1e-6) and c is None

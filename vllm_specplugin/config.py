@@ -131,8 +131,10 @@ class SpecPluginConfig:
     # (32: finished requests matched too; 0: own context only); the choice's draft_cost (c, 0.12),
     # verify_cost (v, 0.07), ema_weight (0.1), suffix_prior (0.5), model_prior (0.6),
     # population_weight (0.05), probe_every (4), model_gamma (null: num_speculative_tokens; the
-    # draft models' γ, while the suffix drafts up to num_speculative_tokens). Not with
-    # adaptive_gamma or tree_drafting.
+    # draft models' γ, while the suffix drafts up to num_speculative_tokens), measure_costs (true:
+    # unseeded requests are chosen at c and v measured per batch-size class while serving, so that
+    # under load nothing is drafted where drafts do not pay; seeded ones always at draft_cost and
+    # verify_cost). Not with adaptive_gamma or tree_drafting.
     suffix_drafting: dict | None = None
     # Share draft KV across requests with a common token prefix (a radix tree of token blocks).
     prefix_sharing: bool = False
@@ -341,6 +343,7 @@ def _gamma_policy(value: Any) -> dict:
 _SUFFIX_INT_FIELDS = ("max_match", "min_match", "max_occurrences", "corpus_requests", "probe_every", "model_gamma")
 _SUFFIX_FLOAT_FIELDS = ("min_token_prob", "draft_cost", "verify_cost", "ema_weight", "suffix_prior", "model_prior",
                         "population_weight")
+_SUFFIX_BOOL_FIELDS = ("measure_costs",)
 
 
 def _suffix_drafting(value: Any) -> dict:
@@ -363,10 +366,12 @@ def _suffix_drafting(value: Any) -> dict:
             if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item):
                 raise SpecPluginConfigError(field, f"expected a finite number, got {item!r}")
             item = float(item)
+        elif key in _SUFFIX_BOOL_FIELDS:
+            if not isinstance(item, bool):
+                raise SpecPluginConfigError(field, f"expected true or false, got {item!r}")
         else:
-            raise SpecPluginConfigError(
-                field, f"unknown key; known keys are {', '.join(_SUFFIX_INT_FIELDS + _SUFFIX_FLOAT_FIELDS)}"
-            )
+            known = _SUFFIX_INT_FIELDS + _SUFFIX_FLOAT_FIELDS + _SUFFIX_BOOL_FIELDS
+            raise SpecPluginConfigError(field, f"unknown key; known keys are {', '.join(known)}")
         out[key] = item
     suffix_keys = {f.name for f in dataclasses.fields(SuffixSettings)}
     for keys, kind in ((suffix_keys, SuffixSettings), (set(out) - suffix_keys, ChoicePolicy)):

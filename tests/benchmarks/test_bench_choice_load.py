@@ -1,0 +1,67 @@
+"""The drafter choice under load (issue 31's concurrency goals): the mixed workload at concurrency
+4, 16 and 48 and a bursty schedule (4 requests one at a time, a burst of 48 at once, 4 one at a
+time again), against plain decoding and the best single drafters of the batch-1 runs, in one run.
+
+Served on the heterogeneous family (``models/demo-mix``), plain first: plain decoding; vLLM's
+``suffix`` (γ 4) when ``arctic-inference`` is importable (``make arctic``, then
+``PYTHONPATH=runs/arctic-site``); the plugin's draft-prose chain at γ 4 and draft-code chain at γ 6
+(the best model-draft chains of the baseline); and the drafter choice (suffix or draft-prose at γ 4,
+``num_speculative_tokens`` 6) as configured in ``test_bench_choice.py``.
+
+Workloads: ``throughput.workloads.MIXED_PHASES`` ("c4", "c16", "c48", "bursty") of the mixed
+stream, each request at its category's temperature, setting 0 (code, prose and copy at T = 0,
+creative at 1.0) and setting 1 (them at 1.0, creative at 1.3); 40 tokens per request; best of
+``BENCH_ROUNDS`` (3) rounds. Goals (issue 31): the plugin's best configuration at least 1.1x the
+best single-drafter chain at concurrency 4 and 16, at least 0.97x plain at 48 and on the bursty
+schedule.
+
+Run: ``PYTHONPATH=runs/arctic-site BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_choice_load.py -s -p no:cacheprovider``
+(``BENCH_LOADS=c16,c48`` for a subset). Results: runs/bench/choice_load-*.md / .json, and
+docs/benchmarks.md ("The drafter choice under load").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from vllm_specplugin.throughput.bench import MODELS, ServedConfig, benchmark_workload, plugin_config, served_fixture
+from vllm_specplugin.throughput.workloads import mixed_phases
+
+pytestmark = [pytest.mark.server]
+
+FAMILY = os.path.join(MODELS, "demo-mix")
+MAX_TOKENS = 40
+CHOICE_GAMMA = 6
+HAVE_ARCTIC = importlib.util.find_spec("arctic_inference") is not None
+NO_ARCTIC = pytest.mark.skipif(not HAVE_ARCTIC, reason="vLLM's suffix method needs arctic-inference, not installed "
+                               "(make arctic, then PYTHONPATH=runs/arctic-site)")
+CONFIGS = [
+    ServedConfig("plain"),
+    pytest.param(ServedConfig("vllm suffix (γ 4)", {"method": "suffix", "num_speculative_tokens": 4}), marks=NO_ARCTIC),
+    plugin_config("plugin draft-prose γ 4", ["demo-mix/draft-prose"], 4),
+    plugin_config("plugin draft-code γ 6", ["demo-mix/draft-code"], 6),
+    plugin_config(f"choice: suffix + draft-prose γ 4, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"], CHOICE_GAMMA,
+                  suffix_drafting={"model_gamma": 4}),
+]
+LOADS = os.environ.get("BENCH_LOADS", "c4,c16,c48,bursty").split(",")
+SETTINGS = (0, 1)
+served = served_fixture(CONFIGS, target=os.path.join(FAMILY, "target"))
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(FAMILY, "draft-prose")),
+                    reason="models/demo-mix is not built (python -m vllm_specplugin.models.mix all)")
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"T{s}")
+@pytest.mark.parametrize("load", LOADS)
+def test_choice_under_load(benchmark, bench_results, served, load, setting):
+    phases = mixed_phases(load, setting=setting)
+    workload = f"mixed-T{setting}-{load}"
+    benchmark.group = workload
+    temperatures = [[p.temperature for p in prompts] for prompts, _ in phases]
+    # run_phases takes one temperature list per phase, or, for one phase, that phase's list itself
+    benchmark_workload(benchmark, bench_results.setdefault("choice_load", []), served,
+                       phases=[([p.text for p in prompts], concurrency) for prompts, concurrency in phases],
+                       temperature=temperatures if len(phases) > 1 else temperatures[0],
+                       max_tokens=MAX_TOKENS, workload=workload)
