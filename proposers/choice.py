@@ -52,7 +52,8 @@ squares, :class:`~vllm_specplugin.proposers.gamma.StepCostModel`), and the model
 per draft token d; then v = b / (a / B) and c = d / (a / B), a request's price of one draft token
 over its share of a plain step. Until a class has been measured (8 steps that admitted no request,
 8 of them with a draft count away from the average; where the count has not varied by itself
-after 16 steps, every 4th step of the class drafts nothing) the configured c and v stand. Where even a draft the target
+after 8 steps, every other step of the class drafts nothing) it is priced as the nearest measured
+class below it, and with none the configured c and v stand. Where even a draft the target
 always accepts cannot pay, ``(1 + γ) / (1 + (c + v)·γ) <= 1``, a request at "no draft" does not
 probe either: at concurrency 48 here nothing is drafted, as plain decoding.
 
@@ -80,7 +81,7 @@ from vllm_specplugin.proposers.metrics import accepted_count, matched_prefix
 from vllm_specplugin.proposers.suffix import SuffixDrafter
 
 SUFFIX, MODEL, NONE = "suffix", "model", "none"
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.specplugin.choice")  # vLLM's handler prints it when served
 
 
 @dataclass(frozen=True)
@@ -176,17 +177,27 @@ class BatchCosts:
     call before: its time and draft count feed the class's :class:`StepCostModel` (a + b·D), unless
     the step admitted a request (its prompt's prefill is not a decoding step's cost). The model's
     drafting time per draft token (d) is fed by :meth:`observe_draft`, catch-up forwards included:
-    a request that switches from suffix drafts to the model pays them every time."""
+    a request that switches from suffix drafts to the model pays them every time.
 
-    SLOPE_PROBE_EVERY = 4  # in an unmeasured class, every this many steps nobody drafts
+    A class is measured once it has seen ``StepCostModel.MIN_STEPS`` steps, ``MIN_VARIED_STEPS`` of
+    them with a draft count away from the average. Where the count does not vary by itself (every
+    request drafting the same chain), every other step of the class drafts nothing
+    (:meth:`slope_probe`). Under a burst most steps admit a request, so a large class is measured
+    late (served at concurrency 48: not within two rounds of 96 requests when probes came every 4th
+    step after 16 steps); until then it is priced as the nearest measured class below it, at that
+    class's own batch size (a verified token costs more of a request's share as the batch grows,
+    so this errs towards drafting, far less than batch-1 prices do)."""
+
+    SLOPE_PROBE_EVERY = 2  # in an unmeasured class whose draft count does not vary, every this many steps nobody drafts
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock  # seconds (float); tests drive a synthetic one
         self.by_class: dict[int, StepCostModel] = {}
+        self.batch_sizes: dict[int, float] = {}  # class -> the mean batch size of its measured steps
         self._last_end: float | None = None
         self._last_ids: set[str] = set()
         self._last_verified = 0
-        self._last_class = 1
+        self._last_batch = 1
         self._steps = 0
         self._reported: set[int] = set()
 
@@ -197,8 +208,10 @@ class BatchCosts:
         started = self.clock()
         self._steps += 1
         if self._last_end is not None and not admitting and request_ids & self._last_ids:
-            self.by_class.setdefault(self._last_class, StepCostModel()).observe_target(
-                self._last_verified, started - self._last_end)
+            model = self.model(self._last_batch)
+            model.observe_target(self._last_verified, started - self._last_end)
+            key = AdaptiveGamma.batch_class(self._last_batch)
+            self.batch_sizes[key] = self.batch_sizes.get(key, self._last_batch) * 0.95 + 0.05 * self._last_batch
 
     def observe_draft(self, batch_size: int, drafted: int, seconds: float) -> None:
         self.model(batch_size).observe_draft(drafted, seconds)
@@ -206,26 +219,35 @@ class BatchCosts:
     def step_ended(self, request_ids: set[str], batch_size: int, verified: int) -> None:
         """``verified``: the draft tokens this call handed the engine (all requests)."""
         self._last_end, self._last_ids, self._last_verified = self.clock(), request_ids, verified
-        self._last_class = AdaptiveGamma.batch_class(batch_size)
+        self._last_batch = batch_size
+
+    def measured(self, batch_size: int) -> bool:
+        model = self.by_class.get(AdaptiveGamma.batch_class(batch_size))
+        return model is not None and model.steps >= StepCostModel.MIN_STEPS and model.slope_measured
 
     def slope_probe(self, batch_size: int) -> bool:
         """Whether this step should draft nothing, so that the class's draft count varies (at a
         steady draft count the slope b cannot be told from the base a). Only once the class has
-        seen 2 x MIN_STEPS steps without enough variation: alone, a request's draft count varies
+        seen MIN_STEPS steps without enough variation: alone, a request's draft count often varies
         by itself (suffix chains, model drafts, nothing), and a probe step costs its drafts."""
         model = self.by_class.get(AdaptiveGamma.batch_class(batch_size))
-        return (model is not None and model.steps >= 2 * StepCostModel.MIN_STEPS and not model.slope_measured
-                and self._steps % self.SLOPE_PROBE_EVERY == self.SLOPE_PROBE_EVERY // 2)
+        return (model is not None and model.steps >= StepCostModel.MIN_STEPS and not model.slope_measured
+                and self._steps % self.SLOPE_PROBE_EVERY == 1)
 
     def ratios(self, batch_size: int) -> tuple[float | None, float] | None:
         """(c, v) for one request of a batch of ``batch_size``: the model's draft time per draft
         token and the target step's growth per verified draft token, each over the request's share
-        of a step without drafts (a / B). c is None where the model has not drafted in this class;
-        None while the class is unmeasured."""
+        of a step without drafts (a / B). c is None where the model has not drafted in the class.
+        An unmeasured class borrows the nearest measured class below it (at that class's mean
+        batch size); None when there is none."""
         batch_class = AdaptiveGamma.batch_class(batch_size)
-        model = self.by_class.get(batch_class)
-        if model is None or model.steps < StepCostModel.MIN_STEPS or not model.slope_measured:
-            return None
+        if not self.measured(batch_size):
+            below = [k for k in self.by_class if k < batch_class and self.measured(k)]
+            if not below:
+                return None
+            batch_class = max(below)
+            batch_size = self.batch_sizes.get(batch_class, batch_class)
+        model = self.by_class[batch_class]
         share = model.base / max(batch_size, 1)
         c = None if model.draft_per_token is None else model.draft_per_token / share
         v = model.slope / share
@@ -392,10 +414,11 @@ class DrafterChoice(Proposer):
         if not self.policy.measure_costs:
             return self.policy, False
         ratios = self.costs.ratios(batch_size)
+        slope_probe = self.costs.slope_probe(batch_size)
         if ratios is None:
-            return self.policy, self.costs.slope_probe(batch_size)
+            return self.policy, slope_probe
         c, v = ratios
-        return Prices(self.policy.draft_cost if c is None else c, v), False
+        return Prices(self.policy.draft_cost if c is None else c, v), slope_probe
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         drafts: list[Draft | None] = [None] * len(requests)

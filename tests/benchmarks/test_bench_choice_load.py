@@ -5,8 +5,10 @@ time again), against plain decoding and the best single drafters of the batch-1 
 Served on the heterogeneous family (``models/demo-mix``), plain first: plain decoding; vLLM's
 ``suffix`` (γ 4) when ``arctic-inference`` is importable (``make arctic``, then
 ``PYTHONPATH=runs/arctic-site``); the plugin's draft-prose chain at γ 4 and draft-code chain at γ 6
-(the best model-draft chains of the baseline); and the drafter choice (suffix or draft-prose at γ 4,
-``num_speculative_tokens`` 6) as configured in ``test_bench_choice.py``.
+(the best model-draft chains of the baseline); the drafter choice (suffix or draft-prose at γ 4,
+``num_speculative_tokens`` 6) as configured in ``test_bench_choice.py``; and two floors, servers that
+speculate but (almost) never draft: the same choice with every option priced out, and vLLM's
+``ngram`` asking for a 16-token match (what serving through the speculative path costs by itself).
 
 Workloads: ``throughput.workloads.MIXED_PHASES`` ("c4", "c16", "c48", "bursty") of the mixed
 stream, each request at its category's temperature, setting 0 (code, prose and copy at T = 0,
@@ -45,6 +47,13 @@ CONFIGS = [
     plugin_config("plugin draft-code γ 6", ["demo-mix/draft-code"], 6),
     plugin_config(f"choice: suffix + draft-prose γ 4, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"], CHOICE_GAMMA,
                   suffix_drafting={"model_gamma": 4}),
+    # The floor: the same server whose choice never drafts (every option priced out, no probes),
+    # i.e. the cost of serving through the speculative path at all; and vLLM's own (ngram that
+    # needs a 16-token match, which this text almost never has).
+    plugin_config(f"choice that never drafts (floor), k {CHOICE_GAMMA}", ["demo-mix/draft-prose"], CHOICE_GAMMA,
+                  suffix_drafting={"model_gamma": 4, "draft_cost": 9.9, "verify_cost": 9.9, "measure_costs": False}),
+    ServedConfig("vllm ngram n 16 (floor)",
+                 {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 16, "prompt_lookup_max": 16}),
 ]
 LOADS = os.environ.get("BENCH_LOADS", "c4,c16,c48,bursty").split(",")
 SETTINGS = (0, 1)
