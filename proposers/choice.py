@@ -237,9 +237,9 @@ class BatchCosts:
     def ratios(self, batch_size: int) -> tuple[float | None, float] | None:
         """(c, v) for one request of a batch of ``batch_size``: the model's draft time per draft
         token and the target step's growth per verified draft token, each over the request's share
-        of a step without drafts (a / B). c is None where the model has not drafted in the class.
-        An unmeasured class borrows the nearest measured class below it (at that class's mean
-        batch size); None when there is none."""
+        of a step without drafts (a / B). c is the nearest class's where the model has not drafted
+        in this one, None where it has drafted in none. An unmeasured class borrows the nearest
+        measured class below it (at that class's mean batch size); None when there is none."""
         batch_class = AdaptiveGamma.batch_class(batch_size)
         if not self.measured(batch_size):
             below = [k for k in self.by_class if k < batch_class and self.measured(k)]
@@ -249,8 +249,14 @@ class BatchCosts:
             batch_size = self.batch_sizes.get(batch_class, batch_class)
         model = self.by_class[batch_class]
         share = model.base / max(batch_size, 1)
-        c = None if model.draft_per_token is None else model.draft_per_token / share
         v = model.slope / share
+        c = None if model.draft_per_token is None else model.draft_per_token / share
+        if c is None:  # the model has not drafted in this class: the nearest class where it has, at its batch size
+            drafted = [k for k in self.by_class if self.measured(k) and self.by_class[k].draft_per_token is not None]
+            if drafted:
+                nearest = min(drafted, key=lambda k: (abs(k.bit_length() - batch_class.bit_length()), -k))
+                other = self.by_class[nearest]
+                c = other.draft_per_token / (other.base / max(self.batch_sizes.get(nearest, nearest), 1))
         if batch_class not in self._reported:
             self._reported.add(batch_class)
             logger.info("drafter choice: batch class %d measured: v %.3f, c %s (plain step share %.2f ms)",
@@ -459,7 +465,9 @@ class DrafterChoice(Proposer):
             fresh = any(request.request_id not in tracked for _, request in to_model)
             draft_started = self.costs.clock()
             model_drafts = self.model.propose([request for _, request in to_model])
-            if self.policy.measure_costs and not admitting and not fresh:
+            # (Not left out when the step admits a request: under a burst most steps do, and a
+            # new request's draft prefill is already left out as `fresh`.)
+            if self.policy.measure_costs and not fresh:
                 self.costs.observe_draft(len(requests), sum(len(d.token_ids) for d in model_drafts),
                                          self.costs.clock() - draft_started)
             if len(model_drafts) != len(to_model):

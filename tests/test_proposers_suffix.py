@@ -340,3 +340,24 @@ def test_an_unmeasured_class_is_priced_as_the_nearest_measured_class_below_it(ru
     assert not choice.costs.measured(40)
     assert choice.last_prices.verify_cost == pytest.approx(1.0, rel=0.05)
     assert all(drafter == NONE for step in burst[1:] for drafter in step.values()), burst
+
+
+def test_a_class_where_the_model_never_drafted_takes_c_from_the_nearest_class_where_it_did():
+    """Served under a burst, class 32's steps nearly all admitted a request and the model's draft
+    time there was never observed: its c must not fall back to the configured batch-1 0.12."""
+    from vllm_specplugin.proposers.choice import BatchCosts
+
+    clock = StepClock()
+    costs = BatchCosts(clock)
+    for batch, d in ((1, 0.004), (32, None)):
+        for step in range(24):
+            drafted = (step % 3) * 2 * batch
+            costs.step_started({"a"}, admitting=False)
+            if d is not None and drafted:
+                costs.observe_draft(batch, drafted, d * drafted)
+            costs.step_ended({"a"}, batch, drafted)
+            clock.now += 0.010 * batch ** 0.5 + 0.0005 * drafted
+    c1, _ = costs.ratios(1)
+    c32, v32 = costs.ratios(32)
+    assert c1 == pytest.approx(0.004 / 0.010, rel=1e-3)
+    assert c32 == c1 and v32 == pytest.approx(0.0005 / (0.010 * 32 ** 0.5 / 32), rel=1e-3)

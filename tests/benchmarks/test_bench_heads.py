@@ -101,12 +101,16 @@ HEAD_WORKLOADS = [(1, 0.0), (1, 1.0)]
 HEAD_PROMPTS = 6
 
 
-def plugin_eagle_config(heads_dir: str, k: int = EAGLE_DRAFT_TOKENS, tree: dict | None = None) -> ServedConfig:
-    """The plugin's EAGLE head drafter (MultiDraftProposer with eagle_head) drafting k tokens, or
-    trees of k nodes (``tree``: tree_drafting) verified whole."""
+def plugin_eagle_config(heads_dir: str, k: int = EAGLE_DRAFT_TOKENS, tree: dict | None = None,
+                        kind: str = "eagle") -> ServedConfig:
+    """The plugin's EAGLE head drafter (MultiDraftProposer with eagle_head; ``kind`` "medusa": its
+    Medusa heads drafter, medusa_heads) drafting k tokens, or trees of k nodes (``tree``:
+    tree_drafting) verified whole."""
     head = os.path.relpath(heads_dir, os.path.dirname(DEMO))
-    name = f"plugin eagle[{head}] k={k}" if tree is None else f"plugin eagle[{head}] {tree.get('shape', 'fixed')} tree {k}"
-    options = {"eagle_head": heads_dir}
+    name = f"plugin {kind}[{head}] k={k}" if tree is None else f"plugin {kind}[{head}] {tree.get('shape', 'fixed')} tree {k}"
+    if tree is not None and "branching" in tree:
+        name += f" (branching {tree['branching']})"
+    options = {"eagle_head" if kind == "eagle" else "medusa_heads": heads_dir}
     if tree is not None:
         options["tree_drafting"] = {"node_budget": k, "verify": "tree", **tree}
     return ServedConfig(name, {"method": "custom_class", "model": "vllm_specplugin.adapters.MultiDraftProposer",
@@ -129,3 +133,35 @@ served_eagle_head = served_fixture(
 def test_throughput_eagle_head_plugin(benchmark, bench_results, served_eagle_head, batch, temperature):
     benchmark_throughput(benchmark, bench_results.setdefault("throughput_eagle_head_plugin", []), served_eagle_head,
                          heldout_prompts(HEAD_PROMPTS), batch=batch, temperature=temperature, max_tokens=MAX_TOKENS)
+
+
+# --- Medusa heads as the plugin's drafter (issue 33 item 2c) ---------------------------------
+# The memory-bound target's Medusa heads (models/demo-mb/medusa, 4 heads) served by vLLM's own
+# "medusa" (greedy chains of k = 2 and 4, one-hot verification) and by the plugin (medusa_heads:
+# sampled chains of 2 verified against q; Medusa trees of 6 and 10 nodes, each node's children drawn
+# without replacement from the head of its depth, verified whole), at batch 1.
+#
+#     BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -k medusa_heads_plugin -s
+
+MEDUSA_MB = os.path.join(DEMO_MB, "medusa")
+
+
+def vllm_medusa_config(heads_dir: str, k: int) -> ServedConfig:
+    config = medusa_config(heads_dir)
+    return ServedConfig(f"{config.name} k={k}", dict(config.speculative_config, num_speculative_tokens=k))
+
+
+served_medusa_heads = served_fixture(
+    [ServedConfig("plain"), vllm_medusa_config(MEDUSA_MB, 2), vllm_medusa_config(MEDUSA_MB, 4),
+     plugin_eagle_config(MEDUSA_MB, 2, kind="medusa"),
+     plugin_eagle_config(MEDUSA_MB, 6, {"shape": "fixed", "branching": 3}, kind="medusa"),
+     plugin_eagle_config(MEDUSA_MB, 10, {"shape": "fixed", "branching": 3}, kind="medusa"),
+     plugin_eagle_config(MEDUSA_MB, 6, {"shape": "dynamic"}, kind="medusa")],
+    target=os.path.join(DEMO_MB, "target"))
+
+
+@pytest.mark.parametrize("batch,temperature", HEAD_WORKLOADS, ids=[f"batch{b}-T{t:g}" for b, t in HEAD_WORKLOADS])
+def test_throughput_medusa_heads_plugin(benchmark, bench_results, served_medusa_heads, batch, temperature):
+    benchmark_throughput(benchmark, bench_results.setdefault("throughput_medusa_heads_plugin", []),
+                         served_medusa_heads, heldout_prompts(HEAD_PROMPTS), batch=batch, temperature=temperature,
+                         max_tokens=MAX_TOKENS)

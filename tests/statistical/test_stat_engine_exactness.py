@@ -1402,8 +1402,11 @@ def test_tensor_parallel_plugin_is_exact(peaked_target, peaked_draft, reference,
 # --- suffix drafting and the drafter choice (issue 31 items 2-3) ------------------------------
 
 
-# The defaults but a larger corpus (the T > 0 cases have 3000 samples per prompt).
-SUFFIX_CHOICE = {"corpus_requests": 64}
+# The defaults but a larger corpus (the T > 0 cases have 3000 samples per prompt), at the configured
+# prices: measured ones (measure_costs) price drafts out of this engine's large batches, and the case
+# must exercise the drafters. What the prices decide is made before a step and does not touch its
+# verification; its own tests are in tests/test_proposers_suffix.py.
+SUFFIX_CHOICE = {"corpus_requests": 64, "measure_costs": False}
 # The cases where suffix drafts must have been verified: at T >= 1 the choice learns within the run
 # that they rarely pay here and drafts few or none (5 Dec: 144 and 0 of ~13000 request-steps at
 # T = 1 and 1.3), so those cases test mostly the model path and the choice itself.
