@@ -70,6 +70,7 @@ suffix drafts that fail).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -98,6 +99,7 @@ class ChoicePolicy:
     probe_every: int = 4  # at "no draft", draft with the model every this many steps
     model_gamma: int | None = None  # the model's γ (None: num_speculative_tokens, which also caps the suffix)
     measure_costs: bool = True  # unseeded requests: c and v measured per batch-size class while serving
+    trace: str | None = None  # a file to append one JSON line per step to (what was measured and chosen)
 
     def __post_init__(self):
         for name in ("draft_cost", "verify_cost"):
@@ -116,6 +118,8 @@ class ChoicePolicy:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         if not isinstance(self.measure_costs, bool):
             raise ValueError(f"measure_costs must be true or false, got {self.measure_costs!r}")
+        if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
+            raise ValueError(f"trace must be a file path or null, got {self.trace!r}")
         if self.model_gamma is not None and (isinstance(self.model_gamma, bool) or not isinstance(self.model_gamma, int)
                                              or self.model_gamma < 1):
             raise ValueError(f"model_gamma must be an integer >= 1 or null, got {self.model_gamma!r}")
@@ -199,6 +203,7 @@ class BatchCosts:
         self._last_verified = 0
         self._last_batch = 1
         self._steps = 0
+        self.last_target_s: float | None = None  # the target step before this call (None: first call)
         self._reported: set[int] = set()
 
     def model(self, batch_size: int) -> StepCostModel:
@@ -207,6 +212,7 @@ class BatchCosts:
     def step_started(self, request_ids: set[str], admitting: bool) -> None:
         started = self.clock()
         self._steps += 1
+        self.last_target_s = None if self._last_end is None else started - self._last_end
         if self._last_end is not None and not admitting and request_ids & self._last_ids:
             model = self.model(self._last_batch)
             model.observe_target(self._last_verified, started - self._last_end)
@@ -319,6 +325,7 @@ class DrafterChoice(Proposer):
         self.last_choices: dict[str, Choice] = {}  # request id -> this step's choice (tests, logs)
         self.costs = BatchCosts(clock)  # measured c and v per batch-size class (unseeded requests)
         self.last_prices: ChoicePolicy | Prices = policy  # the prices unseeded requests were chosen at
+        self._trace_file = None  # opened at the first step
 
     @property
     def population_alpha(self) -> dict[tuple[str, bool], float]:
@@ -437,6 +444,10 @@ class DrafterChoice(Proposer):
             self.costs.step_started(ids, admitting)
         prices, slope_probe = self._prices(len(requests))
         self.last_prices = prices
+        # Tokens the last step emitted for the requests it had (the trace's goodput figure).
+        emitted = sum(len(r.context) - self._states[r.request_id].context_length for r in requests
+                      if r.request_id in self._states and self._states[r.request_id].context_length >= 0)
+        draft_s = 0.0
         for i, request in enumerate(requests):
             state = self._state(request)
             self._observe(request, state)
@@ -465,11 +476,11 @@ class DrafterChoice(Proposer):
             fresh = any(request.request_id not in tracked for _, request in to_model)
             draft_started = self.costs.clock()
             model_drafts = self.model.propose([request for _, request in to_model])
+            draft_s = self.costs.clock() - draft_started
             # (Not left out when the step admits a request: under a burst most steps do, and a
             # new request's draft prefill is already left out as `fresh`.)
             if self.policy.measure_costs and not fresh:
-                self.costs.observe_draft(len(requests), sum(len(d.token_ids) for d in model_drafts),
-                                         self.costs.clock() - draft_started)
+                self.costs.observe_draft(len(requests), sum(len(d.token_ids) for d in model_drafts), draft_s)
             if len(model_drafts) != len(to_model):
                 raise RuntimeError(f"the model proposer returned {len(model_drafts)} drafts for {len(to_model)} requests")
             for (i, request), draft in zip(to_model, model_drafts):
@@ -479,6 +490,23 @@ class DrafterChoice(Proposer):
         for i, request in enumerate(requests):
             if drafts[i] is None:
                 drafts[i] = self.empty_draft()
+        verified = sum(len(d.token_ids) for d in drafts)
         if self.policy.measure_costs:
-            self.costs.step_ended(ids, len(requests), sum(len(d.token_ids) for d in drafts))
+            self.costs.step_ended(ids, len(requests), verified)
+        if self.policy.trace:
+            self._write_trace(len(requests), admitting, emitted, draft_s, verified, prices, slope_probe)
         return drafts  # type: ignore[return-value]
+
+    def _write_trace(self, batch: int, admitting: bool, emitted: int, draft_s: float, verified: int,
+                     prices: ChoicePolicy | Prices, slope_probe: bool) -> None:
+        """One JSON line: the target step before this call (seconds; None at the first), the tokens
+        it emitted for the requests still here, this call's model drafting time, the draft tokens
+        handed to the engine, the prices unseeded requests were chosen at, and the choices."""
+        if self._trace_file is None:
+            self._trace_file = open(self.policy.trace, "a", buffering=1)
+        kinds = [choice.drafter for choice in self.last_choices.values()]
+        self._trace_file.write(json.dumps({
+            "batch": batch, "admitting": admitting, "target_s": self.costs.last_target_s, "emitted": emitted,
+            "draft_s": draft_s, "verified": verified, "measured": self.costs.measured(batch),
+            "draft_cost": prices.draft_cost, "verify_cost": prices.verify_cost, "slope_probe": slope_probe,
+            "suffix": kinds.count(SUFFIX), "model": kinds.count(MODEL), "none": kinds.count(NONE)}) + "\n")

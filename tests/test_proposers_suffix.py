@@ -361,3 +361,23 @@ def test_a_class_where_the_model_never_drafted_takes_c_from_the_nearest_class_wh
     c32, v32 = costs.ratios(32)
     assert c1 == pytest.approx(0.004 / 0.010, rel=1e-3)
     assert c32 == c1 and v32 == pytest.approx(0.0005 / (0.010 * 32 ** 0.5 / 32), rel=1e-3)
+
+
+def test_the_trace_has_a_line_per_step_with_what_was_measured_and_chosen(runtime, tmp_path):
+    import json
+
+    clock = StepClock()
+    path = tmp_path / "choice.jsonl"
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), ChoicePolicy(trace=str(path)), clock=clock)
+    serve_timed(choice, clock, {"a": loop_context(5), "b": loop_context(6)}, steps=12, base=0.010, slope=0.001)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 12 and lines[0]["target_s"] is None and lines[0]["admitting"]
+    previous = lines[0]
+    for line in lines[1:]:
+        # the period-6 target accepts every suffix draft: each request emits its draft and one token
+        assert line["target_s"] == pytest.approx(0.010 + 0.001 * previous["verified"])
+        assert line["emitted"] == previous["verified"] + 2
+        assert line["suffix"] + line["model"] + line["none"] == line["batch"] == 2
+        previous = line
+    with pytest.raises(ValueError, match="trace"):
+        ChoicePolicy(trace="")

@@ -134,7 +134,8 @@ class SpecPluginConfig:
     # draft models' γ, while the suffix drafts up to num_speculative_tokens), measure_costs (true:
     # unseeded requests are chosen at c and v measured per batch-size class while serving, so that
     # under load nothing is drafted where drafts do not pay; seeded ones always at draft_cost and
-    # verify_cost). Not with adaptive_gamma or tree_drafting.
+    # verify_cost), trace (null, or a file: one JSON line per step, what was measured and chosen).
+    # Not with adaptive_gamma or tree_drafting.
     suffix_drafting: dict | None = None
     # Share draft KV across requests with a common token prefix (a radix tree of token blocks).
     prefix_sharing: bool = False
@@ -344,6 +345,7 @@ _SUFFIX_INT_FIELDS = ("max_match", "min_match", "max_occurrences", "corpus_reque
 _SUFFIX_FLOAT_FIELDS = ("min_token_prob", "draft_cost", "verify_cost", "ema_weight", "suffix_prior", "model_prior",
                         "population_weight")
 _SUFFIX_BOOL_FIELDS = ("measure_costs",)
+_SUFFIX_PATH_FIELDS = ("trace",)
 
 
 def _suffix_drafting(value: Any) -> dict:
@@ -369,8 +371,11 @@ def _suffix_drafting(value: Any) -> dict:
         elif key in _SUFFIX_BOOL_FIELDS:
             if not isinstance(item, bool):
                 raise SpecPluginConfigError(field, f"expected true or false, got {item!r}")
+        elif key in _SUFFIX_PATH_FIELDS:
+            if item is not None and (not isinstance(item, str) or not item):
+                raise SpecPluginConfigError(field, f"expected a file path or null, got {item!r}")
         else:
-            known = _SUFFIX_INT_FIELDS + _SUFFIX_FLOAT_FIELDS + _SUFFIX_BOOL_FIELDS
+            known = _SUFFIX_INT_FIELDS + _SUFFIX_FLOAT_FIELDS + _SUFFIX_BOOL_FIELDS + _SUFFIX_PATH_FIELDS
             raise SpecPluginConfigError(field, f"unknown key; known keys are {', '.join(known)}")
         out[key] = item
     suffix_keys = {f.name for f in dataclasses.fields(SuffixSettings)}
