@@ -381,3 +381,16 @@ def test_the_trace_has_a_line_per_step_with_what_was_measured_and_chosen(runtime
         previous = line
     with pytest.raises(ValueError, match="trace"):
         ChoicePolicy(trace="")
+
+
+def test_probes_of_a_model_that_does_not_pay_back_off(runtime):
+    """A request at "no draft" probes the model after probe_every idle steps, then after twice as
+    many each time it stays there (up to 64): served at 4 requests, a probe step cost 1.8 plain steps."""
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), ChoicePolicy(probe_every=4))
+    request = DraftRequest("r", [1, 2, 3], 4)
+    state = choice._state(request)
+    state.model_accepted = 0.1
+    probes = [step for step in range(1, 200) if choice.choose(request, state, suffix_length=0).drafter == MODEL]
+    assert probes == [4, 12, 28, 60, 124, 188], probes
+    state.model_accepted = 4.0  # the model pays again: chosen, and the next wait starts at probe_every
+    assert choice.choose(request, state, suffix_length=0).drafter == MODEL and state.probe_interval == 0
