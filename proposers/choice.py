@@ -327,7 +327,8 @@ class DrafterChoice(Proposer):
         self.last_choices: dict[str, Choice] = {}  # request id -> this step's choice (tests, logs)
         self.costs = BatchCosts(clock)  # measured c and v per batch-size class (unseeded requests)
         self.last_prices: ChoicePolicy | Prices = policy  # the prices unseeded requests were chosen at
-        self._trace_file = None  # opened at the first step
+        # Opened here, so that a path that cannot be written fails at start-up, not at every step.
+        self._trace_file = open(policy.trace, "a", buffering=1) if policy.trace else None
 
     @property
     def population_alpha(self) -> dict[tuple[str, bool], float]:
@@ -512,8 +513,6 @@ class DrafterChoice(Proposer):
         """One JSON line: the target step before this call (seconds; None at the first), the tokens
         it emitted for the requests still here, this call's model drafting time, the draft tokens
         handed to the engine, the prices unseeded requests were chosen at, and the choices."""
-        if self._trace_file is None:
-            self._trace_file = open(self.policy.trace, "a", buffering=1)
         kinds = [choice.drafter for choice in self.last_choices.values()]
         self._trace_file.write(json.dumps({
             "batch": batch, "admitting": admitting, "target_s": self.costs.last_target_s, "emitted": emitted,

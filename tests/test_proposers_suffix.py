@@ -381,6 +381,9 @@ def test_the_trace_has_a_line_per_step_with_what_was_measured_and_chosen(runtime
         previous = line
     with pytest.raises(ValueError, match="trace"):
         ChoicePolicy(trace="")
+    with pytest.raises(OSError):  # at start-up, not at every step
+        DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB),
+                      ChoicePolicy(trace=str(tmp_path / "no such folder" / "trace.jsonl")))
 
 
 def test_probes_of_a_model_that_does_not_pay_back_off(runtime):
