@@ -24,7 +24,6 @@ docs/benchmarks.md ("The drafter choice under load").
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -32,21 +31,17 @@ import pytest
 from vllm_specplugin.throughput.bench import MODELS, ServedConfig, benchmark_workload, plugin_config, served_fixture
 from vllm_specplugin.throughput.workloads import mixed_phases
 
+from .test_bench_choice import CHOICE_GAMMA, FAMILY, MAX_TOKENS
+from .test_bench_choice import CONFIGS as BATCH1_CONFIGS
+
 pytestmark = [pytest.mark.server]
 
-FAMILY = os.path.join(MODELS, "demo-mix")
-MAX_TOKENS = 40
-CHOICE_GAMMA = 6
-HAVE_ARCTIC = importlib.util.find_spec("arctic_inference") is not None
-NO_ARCTIC = pytest.mark.skipif(not HAVE_ARCTIC, reason="vLLM's suffix method needs arctic-inference, not installed "
-                               "(make arctic, then PYTHONPATH=runs/arctic-site)")
+# The batch-1 benchmark's servers (plain, vLLM suffix, the two best chains, the choice), shared.
+SHARED = ("plain", "vllm suffix (γ 4)", "plugin draft-prose γ 4", "plugin draft-code γ 6",
+          f"choice: suffix + draft-prose γ 4, k {CHOICE_GAMMA}")
 CONFIGS = [
-    ServedConfig("plain"),
-    pytest.param(ServedConfig("vllm suffix (γ 4)", {"method": "suffix", "num_speculative_tokens": 4}), marks=NO_ARCTIC),
-    plugin_config("plugin draft-prose γ 4", ["demo-mix/draft-prose"], 4),
-    plugin_config("plugin draft-code γ 6", ["demo-mix/draft-code"], 6),
-    plugin_config(f"choice: suffix + draft-prose γ 4, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"], CHOICE_GAMMA,
-                  suffix_drafting={"model_gamma": 4}),
+    *[config for config in BATCH1_CONFIGS
+      if (config.values[0] if isinstance(config, type(pytest.param(None))) else config).name in SHARED],
     # The floor: the same server whose choice never drafts (every option priced out, no probes),
     # i.e. the cost of serving through the speculative path at all; and vLLM's own (ngram that
     # needs a 16-token match, which this text almost never has).
