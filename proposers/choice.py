@@ -456,8 +456,9 @@ class DrafterChoice(Proposer):
         prices, slope_probe = self._prices(len(requests))
         self.last_prices = prices
         # Tokens the last step emitted for the requests it had (the trace's goodput figure).
-        emitted = sum(len(r.context) - self._states[r.request_id].context_length for r in requests
-                      if r.request_id in self._states and self._states[r.request_id].context_length >= 0)
+        emitted = 0 if not self.policy.trace else sum(
+            len(r.context) - self._states[r.request_id].context_length for r in requests
+            if r.request_id in self._states and self._states[r.request_id].context_length >= 0)
         draft_s = 0.0
         for i, request in enumerate(requests):
             state = self._state(request)
