@@ -37,10 +37,15 @@ with weight ``ema_weight``; :class:`Acceptance`):
   verified. So the match of the suffix chain against the emitted tokens measures α_s without
   spending a verification on it (leading matches over the positions the emitted tokens cover).
 
-A request whose best option is "no draft" drafts with the model every ``probe_every``-th such
-step, so that its A_m can come back. Nothing here changes what is emitted: each option is an
-exact draft with its own q (one-hot for the suffix), and the choice is made before the step's
-verification, from earlier outcomes.
+A draft is chosen only where its goodput is at least ``min_gain`` (1.1) times drafting nothing's:
+where the predicted gain is thin, the measurement's noise decides, and a drafted step that does not
+pay costs more than a draft-free one gains.
+
+A request the model drafted for whose best option has become "no draft" drafts with the model
+after ``probe_every`` such steps (then after twice as many each time), so that its A_m can come
+back; one at "no draft" since it arrived follows the population's estimate and does not probe.
+Nothing here changes what is emitted: each option is an exact draft with its own q (one-hot for
+the suffix), and the choice is made before the step's verification, from earlier outcomes.
 
 Costs under load. c and v above are a batch-1 machine's; in a batch of B requests a verified
 draft token costs more of a request's share of the step (the target step turns compute-bound:
@@ -61,10 +66,10 @@ Reproducibility. For a seeded request the choice depends on the request's own hi
 own α (starting from fixed priors, not from the population's), its own step count, its own
 context (the suffix drafter matches a seeded request at T > 0 against its own context only).
 Costs are the configured ones (batch-1 costs, whatever the load: a seeded request keeps drafting
-under load where an unseeded one stops), never timed. An unseeded request starts from the population's recent α, kept
-apart for greedy and sampled requests (a suffix draft that greedy requests accept nearly always is
-accepted with p(x) by a sampled one, so one average for both would start sampled requests on
-suffix drafts that fail).
+under load where an unseeded one stops), never timed. An unseeded request starts from the
+population's recent α, kept apart for greedy and sampled requests (a suffix draft that greedy
+requests accept nearly always is accepted with p(x) by a sampled one, so one average for both
+would start sampled requests on suffix drafts that fail).
 """
 
 from __future__ import annotations
@@ -100,6 +105,10 @@ class ChoicePolicy:
     probe_every: int = 4  # at "no draft", draft with the model every this many steps
     model_gamma: int | None = None  # the model's γ (None: num_speculative_tokens, which also caps the suffix)
     measure_costs: bool = True  # unseeded requests: c and v measured per batch-size class while serving
+    # A draft must promise at least this many times the tokens per unit of step time of drafting
+    # nothing: where the predicted gain is thin, noise decides (served at 4 requests, T = 1, model
+    # drafts predicted at 1.06x ran at 0.91x the draft-free steps).
+    min_gain: float = 1.1
     trace: str | None = None  # a file to append one JSON line per step to (what was measured and chosen)
 
     def __post_init__(self):
@@ -115,6 +124,8 @@ class ChoicePolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+        if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not 1 <= self.min_gain < 10:
+            raise ValueError(f"min_gain must be a number in [1, 10), got {self.min_gain!r}")
         if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) or self.probe_every < 1:
             raise ValueError(f"probe_every must be an integer >= 1, got {self.probe_every!r}")
         if not isinstance(self.measure_costs, bool):
@@ -282,6 +293,7 @@ class _RequestState:
     idle_steps: int = 0  # consecutive steps at "no draft"
     probe_interval: int = 0  # idle steps until the next probe (0: probe_every); doubles after each probe
     sampled: bool = False  # T > 0 (its population average is the sampled requests')
+    model_chosen: bool = False  # the model has drafted for it by goodput (not only as a probe)
     gamma: int = 0  # the model's γ: the request's first budget (k, unless max_model_len is near)
 
     @property
@@ -405,25 +417,30 @@ class DrafterChoice(Proposer):
                prices: ChoicePolicy | Prices | None = None) -> Choice:
         """The best option at ``prices`` (c and v; the configured ones when None)."""
         prices = self.policy if prices is None else prices
-        best = Choice(NONE, 0, 1.0)
+        best, bar = Choice(NONE, 0, 1.0), self.policy.min_gain  # a draft must beat nothing by min_gain
         gamma = min(request.gamma, state.gamma)
         goodput = model_goodput(prices, state.model_accepted, gamma)
-        if goodput > best.goodput:
+        if goodput > bar:
             best = Choice(MODEL, gamma, goodput)
+            bar = goodput
         if suffix_length:
             goodput = chain_goodput(prices, state.suffix_alpha, suffix_length)
-            if goodput > best.goodput:
+            if goodput > bar:
                 best = Choice(SUFFIX, suffix_length, goodput)
+        state.model_chosen = state.model_chosen or best.drafter == MODEL
         if best.drafter == NONE and request.gamma > 0:
             state.idle_steps += 1
-            # A probe keeps the model's estimate current, unless even a draft the target always
-            # accepts would not pay at these prices (a large batch on a compute-bound machine).
+            # A probe lets a request the model drafted for come back after poor steps, unless even
+            # a draft the target always accepts would not pay at these prices (a large batch on a
+            # compute-bound machine). A request at "no draft" since it arrived does not probe: it
+            # started from the population's estimate, which the requests that draft keep current,
+            # and one probe moves its own by ema_weight only (served at 4 requests, T = 1, the
+            # arrivals' probes were most of the model steps, each costing 2.5-3 draft-free steps).
             # Each probe that leaves the request at "no draft" doubles the wait for the next (up to
-            # MAX_PROBE_INTERVAL steps): at 4 requests on this CPU a probe step costs 1.8 plain
-            # steps, and probes every 4th step kept a served T = 1 mix at 0.77x plain where
-            # nothing drafted otherwise.
+            # MAX_PROBE_INTERVAL steps).
             interval = state.probe_interval or self.policy.probe_every
-            if state.idle_steps >= interval and model_goodput(prices, gamma, gamma) > 1:
+            if (state.model_chosen and state.idle_steps >= interval
+                    and model_goodput(prices, gamma, gamma) > self.policy.min_gain):
                 best = Choice(MODEL, gamma, 1.0)
                 state.idle_steps = 0
                 state.probe_interval = min(2 * interval, max(MAX_PROBE_INTERVAL, self.policy.probe_every))
@@ -513,10 +530,13 @@ class DrafterChoice(Proposer):
                      prices: ChoicePolicy | Prices, slope_probe: bool) -> None:
         """One JSON line: the target step before this call (seconds; None at the first), the tokens
         it emitted for the requests still here, this call's model drafting time, the draft tokens
-        handed to the engine, the prices unseeded requests were chosen at, and the choices."""
+        handed to the engine, the prices unseeded requests were chosen at, the choices, the mean
+        goodput the model's choices were made at (a probe's is 1.0)."""
         kinds = [choice.drafter for choice in self.last_choices.values()]
+        predicted = [choice.goodput for choice in self.last_choices.values() if choice.drafter == MODEL]
         self._trace_file.write(json.dumps({
             "batch": batch, "admitting": admitting, "target_s": self.costs.last_target_s, "emitted": emitted,
             "draft_s": draft_s, "verified": verified, "measured": self.costs.measured(batch),
             "draft_cost": prices.draft_cost, "verify_cost": prices.verify_cost, "slope_probe": slope_probe,
-            "suffix": kinds.count(SUFFIX), "model": kinds.count(MODEL), "none": kinds.count(NONE)}) + "\n")
+            "suffix": kinds.count(SUFFIX), "model": kinds.count(MODEL), "none": kinds.count(NONE),
+            "model_predicted": sum(predicted) / len(predicted) if predicted else None}) + "\n")

@@ -11,7 +11,7 @@ import torch
 from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 from vllm_specplugin.proposers.base import DraftRequest
 from vllm_specplugin.proposers.choice import (MODEL, NONE, SUFFIX, ChoicePolicy, DrafterChoice, Prices,
-                                              expected_accepted)
+                                              expected_accepted, model_goodput)
 from vllm_specplugin.proposers.draft_runtime import DraftRuntime
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.sampling import SamplingParams
@@ -214,6 +214,24 @@ def test_the_choice_maximises_the_goodput_formula(runtime):
     assert choice.choose(request, state, suffix_length=1).drafter == NONE
 
 
+def test_a_draft_must_promise_min_gain_over_drafting_nothing(runtime):
+    """A thin predicted gain is not drafted: served at 4 requests, T = 1, model drafts predicted at
+    1.06x ran at 0.91x the draft-free steps. At min_gain 1.0 the choice drafts whatever beats 1."""
+    for min_gain, expected in ((1.0, MODEL), (1.1, NONE)):
+        policy = ChoicePolicy(draft_cost=0.2, verify_cost=0.05, min_gain=min_gain, measure_costs=False)
+        choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), policy)
+        request = DraftRequest("r", [1, 2, 3], 4)
+        state = choice._state(request)
+        state.model_accepted = 1.1  # (1 + 1.1) / (1 + 0.25 * 4) = 1.05
+        assert model_goodput(policy, 1.1, 4) == pytest.approx(1.05)
+        assert choice.choose(request, state, suffix_length=0).drafter == expected
+        state.suffix_alpha = 0.2  # a suffix chain of 1 at 0.2: 1.2 / 1.05 = 1.14 clears either bar
+        assert choice.choose(request, state, suffix_length=1).drafter == SUFFIX
+    for bad in (0.9, True, "1.2", 10):
+        with pytest.raises(ValueError, match="min_gain"):
+            ChoicePolicy(min_gain=bad)
+
+
 def test_greedy_traffic_does_not_set_the_start_of_sampled_requests(runtime):
     """Population averages are kept apart for greedy and sampled requests: suffix drafts that
     greedy requests accept nearly always must not start a T = 1 request on suffix drafts."""
@@ -387,11 +405,17 @@ def test_the_trace_has_a_line_per_step_with_what_was_measured_and_chosen(runtime
 
 
 def test_probes_of_a_model_that_does_not_pay_back_off(runtime):
-    """A request at "no draft" probes the model after probe_every idle steps, then after twice as
-    many each time it stays there (up to 64): served at 4 requests, a probe step cost 1.8 plain steps."""
+    """A request at "no draft" that the model drafted for probes the model after probe_every idle
+    steps, then after twice as many each time it stays there (up to 64): served at 4 requests, a
+    probe step cost 1.8 plain steps. One at "no draft" since it arrived does not probe."""
     choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), ChoicePolicy(probe_every=4))
     request = DraftRequest("r", [1, 2, 3], 4)
     state = choice._state(request)
+    state.model_accepted = 0.1
+    # at "no draft" since it arrived: it follows the population's estimate and never probes
+    assert not any(choice.choose(request, state, suffix_length=0).drafter == MODEL for _ in range(200))
+    state.model_accepted = 4.0
+    assert choice.choose(request, state, suffix_length=0).drafter == MODEL and state.model_chosen
     state.model_accepted = 0.1
     probes = [step for step in range(1, 200) if choice.choose(request, state, suffix_length=0).drafter == MODEL]
     assert probes == [4, 12, 28, 60, 124, 188], probes
