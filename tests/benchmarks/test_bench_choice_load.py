@@ -8,7 +8,8 @@ Served on the heterogeneous family (``models/demo-mix``), plain first: plain dec
 (the best model-draft chains of the baseline); the drafter choice (suffix or draft-prose at γ 4,
 ``num_speculative_tokens`` 6) as configured in ``test_bench_choice.py``; and two floors, servers that
 speculate but (almost) never draft: the same choice with every option priced out, and vLLM's
-``ngram`` asking for a 16-token match (what serving through the speculative path costs by itself).
+``ngram`` asking for a 16-token match (what serving through the speculative path costs by itself);
+and plain decoding with async scheduling off, which vLLM 0.32 does for every ``custom_class`` server.
 
 Workloads: ``throughput.workloads.MIXED_PHASES`` ("c4", "c16", "c48", "bursty") of the mixed
 stream, each request at its category's temperature, setting 0 (code, prose and copy at T = 0,
@@ -49,6 +50,9 @@ CONFIGS = [
                   suffix_drafting={"model_gamma": 4, "draft_cost": 9.9, "verify_cost": 9.9, "measure_costs": False}),
     ServedConfig("vllm ngram n 16 (floor)",
                  {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 16, "prompt_lookup_max": 16}),
+    # vLLM 0.32 turns async scheduling off for custom_class speculative decoding (vllm/config/vllm.py):
+    # plain decoding served that way is what the plugin's floor is held to.
+    ServedConfig("plain, async scheduling off (as vLLM serves custom_class)", server_args=("--no-async-scheduling",)),
 ]
 LOADS = os.environ.get("BENCH_LOADS", "c4,c16,c48,bursty").split(",")
 SETTINGS = (0, 1)
