@@ -417,15 +417,15 @@ class DrafterChoice(Proposer):
                prices: ChoicePolicy | Prices | None = None) -> Choice:
         """The best option at ``prices`` (c and v; the configured ones when None)."""
         prices = self.policy if prices is None else prices
-        best, bar = Choice(NONE, 0, 1.0), self.policy.min_gain  # a draft must beat nothing by min_gain
+        best = Choice(NONE, 0, 1.0)
         gamma = min(request.gamma, state.gamma)
+        # a draft must beat the best so far, and drafting nothing by min_gain
         goodput = model_goodput(prices, state.model_accepted, gamma)
-        if goodput > bar:
+        if goodput > max(best.goodput, self.policy.min_gain):
             best = Choice(MODEL, gamma, goodput)
-            bar = goodput
         if suffix_length:
             goodput = chain_goodput(prices, state.suffix_alpha, suffix_length)
-            if goodput > bar:
+            if goodput > max(best.goodput, self.policy.min_gain):
                 best = Choice(SUFFIX, suffix_length, goodput)
         state.model_chosen = state.model_chosen or best.drafter == MODEL
         if best.drafter == NONE and request.gamma > 0:

@@ -398,16 +398,18 @@ def record_benchmark(benchmark, results: list[WorkloadResult], result: WorkloadR
     benchmark.extra_info["accepted_per_position"] = result.accepted_per_position
 
 
+def config_name(config) -> str:
+    """The name of a ServedConfig, or of the one a ``pytest.param(config, marks=...)`` wraps."""
+    return (config.values[0] if hasattr(config, "values") else config).name
+
+
 def served_fixture(configs: list, target: str = os.path.join(DEMO, "target")):
     """A module-scoped pytest fixture that serves ``target`` (default: the small demo target) once
     per configuration, in order (plain first, so that every speedup has its baseline from the same
     run). Entries may be ``pytest.param(config, marks=...)``."""
     import pytest
 
-    def name(config) -> str:
-        return (config.values[0] if hasattr(config, "values") else config).name
-
-    @pytest.fixture(scope="module", params=configs, ids=[name(c) for c in configs])
+    @pytest.fixture(scope="module", params=configs, ids=[config_name(c) for c in configs])
     def served(request):
         config = request.param
         server = config.server(target)

@@ -29,7 +29,7 @@ import os
 
 import pytest
 
-from vllm_specplugin.throughput.bench import MODELS, ServedConfig, benchmark_workload, plugin_config, served_fixture
+from vllm_specplugin.throughput.bench import ServedConfig, benchmark_workload, config_name, plugin_config, served_fixture
 from vllm_specplugin.throughput.workloads import mixed_phases
 
 from .test_bench_choice import CHOICE_GAMMA, FAMILY, MAX_TOKENS
@@ -41,8 +41,7 @@ pytestmark = [pytest.mark.server]
 SHARED = ("plain", "vllm suffix (γ 4)", "plugin draft-prose γ 4", "plugin draft-code γ 6",
           f"choice: suffix + draft-prose γ 4, k {CHOICE_GAMMA}")
 CONFIGS = [
-    *[config for config in BATCH1_CONFIGS
-      if (config.values[0] if isinstance(config, type(pytest.param(None))) else config).name in SHARED],
+    *[config for config in BATCH1_CONFIGS if config_name(config) in SHARED],
     # The floor: the same server whose choice never drafts (every option priced out, no probes),
     # i.e. the cost of serving through the speculative path at all; and vLLM's own (ngram that
     # needs a 16-token match, which this text almost never has).
