@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
+from vllm_specplugin.proposers.lean_llama import ROPE_TABLE_POSITIONS, TORCH_KERNELS, LeanKernels
 from vllm_specplugin.proposers.metrics import DraftMetrics, accepted_count
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
 
@@ -119,6 +120,9 @@ class _HeadCache:
     # [<= 2, d]: the two newest entries' inputs; the newest is the first draft step's query and
     # residual (the one before serves the fault injection of vllm_specplugin/faults.py only).
     recent_x: torch.Tensor | None = None
+    # [H, 1, hd]: the newest entry's query, RoPE applied (computed with its keys and values, so
+    # the first draft step needs no projection of its own).
+    recent_q: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -135,7 +139,8 @@ class EagleHeadProposer(Proposer):
     """Drafts chains from an EAGLE-1 head (see the module docstring); needs the target's embedding
     and LM head (:meth:`attach_target`) before it drafts."""
 
-    def __init__(self, checkpoint: str | Path, device: str | torch.device = "cpu", name: str | None = None):
+    def __init__(self, checkpoint: str | Path, device: str | torch.device = "cpu", name: str | None = None,
+                 kernels: LeanKernels | None = None):
         self.device = torch.device(device)
         self.weights = EagleWeights.load(checkpoint, self.device)
         self.vocab_size = self.weights.vocab_size
@@ -147,9 +152,35 @@ class EagleHeadProposer(Proposer):
         self._pending: dict[str, _Pending] = {}
         self._nodes: dict[str, dict] = {}  # request id -> this step's tree nodes (see prepare)
         self._last_call: tuple[float, set[str]] | None = None
+        # The head's operations (float32): torch's by default; the vLLM adapter passes vLLM's CPU
+        # kernels (vllm_specplugin/draft_kernels.py: oneDNN's prepacked products, one-call RMSNorm,
+        # RoPE and SiLU-and-mul), as for the draft models' lean forward. A head step at batch 1 is
+        # memory-bound products (23 MB of float32 weights with the LM head on the memory-bound
+        # pair) and a few dozen small operations; the projections are fused (q, k, v in one
+        # product; gate and up in one) so each step reads each weight once.
+        self.kernels = kernels or TORCH_KERNELS
         w = self.weights
+        linear = self.kernels.linear
+        self._q_size, self._k_size = w.n_heads * w.head_dim, w.n_kv * w.head_dim
+        self._fc = linear(w.fc)
+        self._qkv = linear(torch.cat([w.q, w.k, w.v]).contiguous())
+        self._o = linear(w.o)
+        self._gate_up = linear(torch.cat([w.gate, w.up]).contiguous())
+        self._down = linear(w.down)
+        self._lm = None  # the LM head's product, from attach_target
         inv = 1.0 / w.rope_theta ** (torch.arange(0, w.head_dim, 2, dtype=torch.float32, device=self.device) / w.head_dim)
         self._inv_freq = inv  # [hd / 2]
+        self._rope_positions = 0
+        self._rope_table(ROPE_TABLE_POSITIONS)
+
+    def _rope_table(self, size: int) -> None:
+        """RoPE's cos / sin tables for positions [0, size) (transformers' duplicated halves), read by
+        index instead of computed per step; doubled when a position passes the end."""
+        angles = torch.arange(size, dtype=torch.float32, device=self.device)[:, None] * self._inv_freq[None, :]
+        angles = torch.cat([angles, angles], -1)
+        self._rope_cos, self._rope_sin = angles.cos(), angles.sin()
+        self._rope_fn = self.kernels.make_rope(self._rope_cos, self._rope_sin)
+        self._rope_positions = size
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -163,6 +194,7 @@ class EagleHeadProposer(Proposer):
                                           f"[>= {vocab}, {d}] (is the head trained for this target?)")
         self.embed = embed[:vocab].detach().to(self.device, torch.float32).contiguous()
         self.lm_head = lm_head[:vocab].detach().to(self.device, torch.float32).contiguous()
+        self._lm = self.kernels.linear(self.lm_head)
 
     # -- the Proposer interface --------------------------------------------------------------
 
@@ -200,44 +232,44 @@ class EagleHeadProposer(Proposer):
 
     # -- the head ----------------------------------------------------------------------------
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [heads, n, hd], positions [n] -> rotated (rotate-half, as Llama)."""
-        angles = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
-        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
     def _inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """fc(cat(embed(tokens), features)): tokens [n] int64, features [n, d] -> [n, d]."""
-        return torch.cat([self.embed[tokens], features], -1) @ self.weights.fc.T
+        return self._fc(torch.cat([self.embed[tokens], features], -1))
 
-    def _keys_values(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, d] -> (keys, values) [Hkv, n, hd], keys rotated."""
+    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [n, d], positions [n] int64 -> (queries [H, n, hd], keys [Hkv, n, hd], values [Hkv, n, hd]),
+        queries and keys rotated; one product for all three."""
         w = self.weights
-        k = (x @ w.k.T).view(-1, w.n_kv, w.head_dim).transpose(0, 1)
-        v = (x @ w.v.T).view(-1, w.n_kv, w.head_dim).transpose(0, 1)
-        return self._rope(k, positions), v
+        top = int(positions.max()) + 1
+        if top > self._rope_positions:
+            self._rope_table(1 << math.ceil(math.log2(top)))
+        qkv = self._qkv(x)
+        qk_size = self._q_size + self._k_size
+        heads = self._rope_fn(positions, qkv[:, :qk_size], self._q_size)  # [n, H + Hkv, hd]
+        values = qkv[:, qk_size:].view(-1, w.n_kv, w.head_dim)
+        return heads[:, :w.n_heads].transpose(0, 1), heads[:, w.n_heads:].transpose(0, 1), values.transpose(0, 1)
 
-    def _output(self, x: torch.Tensor, position: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """g for one query entry x [d] at ``position`` attending to keys / values [Hkv, m, hd] (its own
-        included): [d]."""
-        w = self.weights
-        q = (x @ w.q.T).view(w.n_heads, 1, w.head_dim)
-        q = self._rope(q, torch.tensor([position], device=self.device))
-        rep = w.n_heads // w.n_kv
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Queries q [H, n, hd] attending to all of keys / values [Hkv, m, hd] (no mask: each query
+        is the newest entry of what it sees) -> [n, H * hd]."""
+        rep = self.weights.n_heads // self.weights.n_kv
         if rep > 1:
             keys, values = keys.repeat_interleave(rep, 0), values.repeat_interleave(rep, 0)
-        scores = (q @ keys.transpose(-1, -2)) * w.head_dim ** -0.5  # [H, 1, m]
-        attention = (scores.softmax(-1) @ values).reshape(-1)  # [H * hd]
-        return self._after_attention(x, attention)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None])[0]  # [H, n, hd]
+        return out.transpose(0, 1).reshape(q.shape[1], -1)
 
     def _after_attention(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """The layer past its attention: g = r + mlp(rmsnorm(r)), r = x + o_proj(attention);
-        x [..., d], attention [..., H * hd] -> g [..., d]."""
+        x [n, d], attention [n, H * hd] -> g [n, d]."""
         w = self.weights
-        r = x + attention @ w.o.T
-        n = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + w.eps) * w.norm
-        return r + (F.silu(n @ w.gate.T) * (n @ w.up.T)) @ w.down.T
+        r = x + self._o(attention)
+        n = self.kernels.rms_norm(r, w.norm, w.eps)
+        return r + self._down(self.kernels.silu_and_mul(self._gate_up(n)))
+
+    def _root(self, cache: _HeadCache, last: int) -> torch.Tensor:
+        """g [1, d] of the newest entry (at ``last``), attending to every entry."""
+        n = cache.n
+        return self._after_attention(cache.recent_x[-1:], self._attend(cache.recent_q, cache.keys[:, :n], cache.values[:, :n]))
 
     def _absorb(self, request: DraftRequest) -> _HeadCache | None:
         """Add the entries of the positions whose target hidden states came with ``request``."""
@@ -267,11 +299,12 @@ class EagleHeadProposer(Proposer):
         self._reserve(cache, needed)
         tokens = torch.as_tensor(list(request.context[start + 1:start + 1 + count]), dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + count, device=self.device)
-        x = self._inputs(tokens, hidden[:count].to(self.device, torch.float32))
-        keys, values = self._keys_values(x, positions)
+        x = self._inputs(tokens, hidden[:count].to(self.device, torch.float32).contiguous())
+        queries, keys, values = self._project(x, positions)
         cache.keys[:, keep:needed] = keys
         cache.values[:, keep:needed] = values
         cache.positions.extend(range(start, start + count))
+        cache.recent_q = queries[:, -1:].clone()
         if count == 1 and cache.recent_x is not None and keep and cache.positions[-2:-1] == [start - 1]:
             cache.recent_x = torch.stack([cache.recent_x[-1], x[0]])
         else:
@@ -289,23 +322,23 @@ class EagleHeadProposer(Proposer):
         gamma = request.gamma if gamma is None else gamma
         n = cache.n
         self._reserve(cache, n + gamma)
-        g = self._output(cache.recent_x[-1], last, cache.keys[:, :n], cache.values[:, :n])
+        g = self._root(cache, last)  # [1, d]
+        params = row_params or request.params
         tokens: list[int] = []
         rows = []
         for step in range(gamma):
-            q = processed_probs(g @ self.lm_head.T, row_params or request.params)  # [V]
+            q = processed_probs(self._lm(g)[0], params)  # [V]
             token = int(q.argmax()) if request.params.greedy else int(sample(q, request.generator))
             tokens.append(token)
             rows.append(q)
             if step + 1 == gamma:
                 break
-            position = last + 1 + step
-            x = self._inputs(torch.tensor([token], device=self.device), g[None])[0]
-            k, v = self._keys_values(x[None], torch.tensor([position], device=self.device))
             slot = n + step
+            x = self._inputs(torch.tensor([token], device=self.device), g)  # [1, d]
+            queries, k, v = self._project(x, torch.tensor([last + 1 + step], device=self.device))
             cache.keys[:, slot:slot + 1] = k
             cache.values[:, slot:slot + 1] = v
-            g = self._output(x, position, cache.keys[:, :slot + 1], cache.values[:, :slot + 1])
+            g = self._after_attention(x, self._attend(queries, cache.keys[:, :slot + 1], cache.values[:, :slot + 1]))
         return tokens, torch.stack(rows)
 
     def _reserve(self, cache: _HeadCache, needed: int) -> None:
@@ -326,8 +359,10 @@ class EagleHeadProposer(Proposer):
         (vllm_specplugin/faults.py: ``head_stale_states``) uses it."""
         if cache.n < 2 or cache.recent_x is None or cache.recent_x.shape[0] < 2 or cache.positions[-2] != last - 1:
             return None
-        g = self._output(cache.recent_x[-2], last - 1, cache.keys[:, :cache.n - 1], cache.values[:, :cache.n - 1])
-        return processed_probs(g @ self.lm_head.T, request.params)
+        x = cache.recent_x[-2:-1]
+        queries, _, _ = self._project(x, torch.tensor([last - 1], device=self.device))
+        g = self._after_attention(x, self._attend(queries, cache.keys[:, :cache.n - 1], cache.values[:, :cache.n - 1]))
+        return processed_probs(self._lm(g)[0], request.params)
 
     # -- the drafter interface TreeProposer grows trees with (as EnsembleProposer's) ---------
     # A tree's node is the path of drafted tokens from the root (the newest verified position);
@@ -351,7 +386,7 @@ class EagleHeadProposer(Proposer):
     def root_distributions(self, request_ids: Sequence[str], contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """The head's unprocessed (T = 1) distribution after each context: [len(ids), V] float32."""
         g = torch.stack([self._tree_nodes(rid, len(ctx) - 2)[()][0] for rid, ctx in zip(request_ids, contexts)])
-        return (g @ self.lm_head.T).softmax(-1)
+        return self._lm(g).softmax(-1)
 
     def branch_distributions_of(self, items) -> list[torch.Tensor]:
         """``items``: (request id, context, paths); per item the head's unprocessed distribution after
@@ -368,7 +403,7 @@ class EagleHeadProposer(Proposer):
                     self.branch_distributions_of([(rid, context, [list(m) for m in dict.fromkeys(missing)])])
                 self._expand(rid, last, level)
             g = torch.stack([nodes[k][0] for k in keys])
-            out.append((g @ self.lm_head.T).softmax(-1))
+            out.append(self._lm(g).softmax(-1))
         return out
 
     def draw_chains(self, active, drafts: list[Draft], row_params: list[SamplingParams] | None = None) -> None:
@@ -393,8 +428,7 @@ class EagleHeadProposer(Proposer):
             cache = self._caches[request_id]
             if not cache.positions or cache.positions[-1] != last:
                 raise RuntimeError(f"request {request_id}: the head has no entry for position {last}")
-            g = self._output(cache.recent_x[-1], last, cache.keys[:, :cache.n], cache.values[:, :cache.n])
-            nodes = self._nodes[request_id] = {(): (g, None, None)}
+            nodes = self._nodes[request_id] = {(): (self._root(cache, last)[0], None, None)}
         return nodes
 
     def _expand(self, request_id: str, last: int, paths: list[tuple[int, ...]]) -> None:
@@ -408,8 +442,7 @@ class EagleHeadProposer(Proposer):
         tokens = torch.tensor([p[-1] for p in paths], device=self.device)
         position = torch.full((count,), last + depth, device=self.device)
         x = self._inputs(tokens, parents_g)  # [P, d]
-        k, v = self._keys_values(x, position)  # [Hkv, P, hd]
-        q = self._rope((x @ w.q.T).view(count, w.n_heads, w.head_dim).transpose(0, 1), position)  # [H, P, hd]
+        q, k, v = self._project(x, position)  # [H, P, hd], [Hkv, P, hd] x 2
         # The node's own path: ancestors at depths 1..d-1, then itself: [Hkv, P, d, hd].
         path_k = torch.stack([torch.stack([nodes[p[:j]][1] for j in range(1, depth)] + [k[:, i]], 1)
                               for i, p in enumerate(paths)], 1)

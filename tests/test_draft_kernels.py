@@ -100,8 +100,39 @@ def test_each_vllm_kernel_alone_equals_torch(kernel):
 
 
 @needs_kernels
+@in_fresh_process
+def test_eagle_head_on_vllm_kernels_equals_torch():
+    """The EAGLE head drafter (proposers/eagle_head.py) on vLLM's kernels drafts torch's: the same
+    greedy chain and the same q rows up to float rounding, and the same tree node distributions."""
+    from safetensors.torch import load_file
+
+    from vllm_specplugin.proposers.base import DraftRequest
+    from vllm_specplugin.proposers.eagle_head import EagleHeadProposer
+    from vllm_specplugin.proposers.sampling import SamplingParams
+
+    target = load_file(os.path.join(REPO_ROOT, "models", "demo", "target", "model.safetensors"))
+    heads = [EagleHeadProposer(os.path.join(REPO_ROOT, "models", "demo", "eagle"), kernels=kernels)
+             for kernels in (VLLM_CPU_KERNELS, None)]
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(3, VOCAB, (40,), generator=gen).tolist()
+    hidden = torch.randn(39, heads[0].weights.hidden_size, generator=gen)
+    drafts, trees = [], []
+    for head in heads:
+        embed = target["model.embed_tokens.weight"]
+        head.attach_target(embed, target.get("lm_head.weight", embed))  # demo target: tied
+        request = DraftRequest("a", context, 5, SamplingParams(0.0), None, hidden_states=hidden, hidden_start=0)
+        drafts.append(head.propose([request])[0])
+        head.prepare([DraftRequest("a", context, 5, SamplingParams(0.0), None)])
+        trees.append(head.branch_distributions_of([("a", context, [[], [5], [6], [5, 7]])])[0])
+    assert heads[0].kernels.name == "vllm" and heads[1].kernels.name == "torch"
+    assert drafts[0].token_ids == drafts[1].token_ids
+    torch.testing.assert_close(drafts[0].probs, drafts[1].probs, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(trees[0], trees[1], atol=1e-5, rtol=1e-4)
+
+
+@needs_kernels
 def test_comparisons_in_a_fresh_process():
-    """The seven logits comparisons above, in a new pytest process: all must pass (none skipped)."""
+    """The eight comparisons above, in a new pytest process: all must pass (none skipped)."""
     if os.environ.get(FRESH_PROCESS_ENV) == "1":
         pytest.skip("this is the fresh process")
     env = {**os.environ, FRESH_PROCESS_ENV: "1"}
@@ -112,7 +143,7 @@ def test_comparisons_in_a_fresh_process():
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     print(summary)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert re.search(r"\b7 passed\b", summary) and "skipped" not in summary, summary
+    assert re.search(r"\b8 passed\b", summary) and "skipped" not in summary, summary
 
 
 def test_kernel_choice():

@@ -125,10 +125,13 @@ class MultiDraftProposer(CustomClassAdapter):
         self._draft_kernels = None
         if self.config.eagle_head or self.config.medusa_heads:
             if self.config.eagle_head:
+                from vllm_specplugin.draft_kernels import draft_kernels
                 from vllm_specplugin.proposers.eagle_head import EagleHeadProposer
 
-                # The target's embedding and LM head come at load_model(); see there.
-                proposer = self.head = EagleHeadProposer(self.config.eagle_head, device=device)
+                # The target's embedding and LM head come at load_model(); see there. The head
+                # runs in float32 whatever draft_dtype says; draft_kernels chooses its operations.
+                kernels = self._draft_kernels = draft_kernels(self.config.draft_kernels, device, "float32")
+                proposer = self.head = EagleHeadProposer(self.config.eagle_head, device=device, kernels=kernels)
             else:
                 from vllm_specplugin.proposers.medusa_heads import MedusaHeadsProposer
 

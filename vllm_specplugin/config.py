@@ -76,8 +76,9 @@ class SpecPluginConfig:
     draft_weights: tuple[float, ...] | None = None
     # dtype the drafts run in.
     draft_dtype: str = "float32"
-    # The kernels of the drafts' lean forward: "vllm" (vLLM's own CPU kernels: prepacked oneDNN
-    # products, RMSNorm, RoPE, SiLU-and-mul; about 2x faster for a draft at batch 1), "torch", or
+    # The kernels of the drafts' lean forward and of an eagle_head drafter (float32): "vllm" (vLLM's
+    # own CPU kernels: prepacked oneDNN products, RMSNorm, RoPE, SiLU-and-mul; about 2x faster for a
+    # draft at batch 1), "torch", or
     # "auto" (vLLM's for float32 and bfloat16 drafts on CPU where this vLLM has them and this CPU
     # runs them: bfloat16 products need AVX-512 or AMX; else torch, logged).
     # Its former name draft_gemm (auto | onednn | torch) is still accepted.
