@@ -56,7 +56,8 @@ class HeadCheckpointError(ValueError):
 
 @dataclass
 class EagleWeights:
-    """The head's own weights (float32) and geometry, read from a vLLM EAGLE-1 checkpoint."""
+    """The head's own weights (in the dtype asked for; float32 by default) and geometry, read from a
+    vLLM EAGLE-1 checkpoint."""
 
     fc: torch.Tensor  # [d, 2d]
     q: torch.Tensor  # [H * hd, d]
@@ -75,7 +76,7 @@ class EagleWeights:
     vocab_size: int
 
     @classmethod
-    def load(cls, path: str | Path, device: str | torch.device = "cpu") -> EagleWeights:
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> EagleWeights:
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -97,7 +98,7 @@ class EagleWeights:
         if missing:
             raise HeadCheckpointError(f"EAGLE head {path}: weights {missing} are missing (an EAGLE-1 checkpoint "
                                       f"as vLLM's EagleLlamaForCausalLM loads it has {list(WEIGHT_NAMES)})")
-        w = [tensors[name].to(device=device, dtype=torch.float32).contiguous() for name in WEIGHT_NAMES]
+        w = [tensors[name].to(device=device, dtype=dtype).contiguous() for name in WEIGHT_NAMES]
         d = int(cfg["hidden_size"])
         n_heads = int(cfg["num_attention_heads"])
         return cls(*w, n_heads=n_heads, n_kv=int(cfg.get("num_key_value_heads") or n_heads),
@@ -114,8 +115,8 @@ class EagleWeights:
 class _HeadCache:
     """One request's head KV cache: entries for ``positions[:n]``, kept in position order."""
 
-    keys: torch.Tensor  # [Hkv, capacity, hd] float32, RoPE applied
-    values: torch.Tensor  # [Hkv, capacity, hd] float32
+    keys: torch.Tensor  # [Hkv, capacity, hd] in the head's dtype, RoPE applied
+    values: torch.Tensor  # [Hkv, capacity, hd]
     positions: list[int] = field(default_factory=list)
     # [<= 2, d]: the two newest entries' inputs; the newest is the first draft step's query and
     # residual (the one before serves the fault injection of vllm_specplugin/faults.py only).
@@ -140,23 +141,29 @@ class EagleHeadProposer(Proposer):
     and LM head (:meth:`attach_target`) before it drafts."""
 
     def __init__(self, checkpoint: str | Path, device: str | torch.device = "cpu", name: str | None = None,
-                 kernels: LeanKernels | None = None):
+                 kernels: LeanKernels | None = None, dtype: torch.dtype | str = torch.float32):
         self.device = torch.device(device)
-        self.weights = EagleWeights.load(checkpoint, self.device)
+        # The dtype the head computes in (weights, the shared embedding and LM head, its KV cache):
+        # float32, or bfloat16 / float16 (half the bytes a step streams; the checkpoints are stored
+        # in bfloat16). Logits are processed in float32 whatever it is: q is what is sampled from.
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"EagleHeadProposer dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        self.weights = EagleWeights.load(checkpoint, self.device, self.dtype)
         self.vocab_size = self.weights.vocab_size
         self.name = name or Path(checkpoint).name
         self.metrics = DraftMetrics([self.name])
-        self.embed: torch.Tensor | None = None  # [V, d] float32
-        self.lm_head: torch.Tensor | None = None  # [V, d] float32
+        self.embed: torch.Tensor | None = None  # [V, d] in the head's dtype
+        self.lm_head: torch.Tensor | None = None  # [V, d]
         self._caches: dict[str, _HeadCache] = {}
         self._pending: dict[str, _Pending] = {}
         self._nodes: dict[str, dict] = {}  # request id -> this step's tree nodes (see prepare)
         self._last_call: tuple[float, set[str]] | None = None
-        # The head's operations (float32): torch's by default; the vLLM adapter passes vLLM's CPU
+        # The head's operations: torch's by default; the vLLM adapter passes vLLM's CPU
         # kernels (vllm_specplugin/draft_kernels.py: oneDNN's prepacked products, one-call RMSNorm,
         # RoPE and SiLU-and-mul), as for the draft models' lean forward. A head step at batch 1 is
         # memory-bound products (23 MB of float32 weights with the LM head on the memory-bound
-        # pair) and a few dozen small operations; the projections are fused (q, k, v in one
+        # pair, 11.5 MB in bfloat16) and a few dozen small operations; the projections are fused (q, k, v in one
         # product; gate and up in one) so each step reads each weight once.
         self.kernels = kernels or TORCH_KERNELS
         w = self.weights
@@ -178,7 +185,7 @@ class EagleHeadProposer(Proposer):
         index instead of computed per step; doubled when a position passes the end."""
         angles = torch.arange(size, dtype=torch.float32, device=self.device)[:, None] * self._inv_freq[None, :]
         angles = torch.cat([angles, angles], -1)
-        self._rope_cos, self._rope_sin = angles.cos(), angles.sin()
+        self._rope_cos, self._rope_sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         self._rope_fn = self.kernels.make_rope(self._rope_cos, self._rope_sin)
         self._rope_positions = size
 
@@ -192,8 +199,8 @@ class EagleHeadProposer(Proposer):
             if tensor.ndim != 2 or tensor.shape[1] != d or tensor.shape[0] < vocab:
                 raise HeadCheckpointError(f"the target's {name} is {tuple(tensor.shape)}; the head needs "
                                           f"[>= {vocab}, {d}] (is the head trained for this target?)")
-        self.embed = embed[:vocab].detach().to(self.device, torch.float32).contiguous()
-        self.lm_head = lm_head[:vocab].detach().to(self.device, torch.float32).contiguous()
+        self.embed = embed[:vocab].detach().to(self.device, self.dtype).contiguous()
+        self.lm_head = lm_head[:vocab].detach().to(self.device, self.dtype).contiguous()
         self._lm = self.kernels.linear(self.lm_head)
 
     # -- the Proposer interface --------------------------------------------------------------
@@ -289,8 +296,8 @@ class EagleHeadProposer(Proposer):
         if cache is None:
             capacity = max(64, 1 << math.ceil(math.log2(start + count + 1)))
             cache = self._caches[request.request_id] = _HeadCache(
-                torch.empty(w.n_kv, capacity, w.head_dim, device=self.device),
-                torch.empty(w.n_kv, capacity, w.head_dim, device=self.device))
+                torch.empty(w.n_kv, capacity, w.head_dim, device=self.device, dtype=self.dtype),
+                torch.empty(w.n_kv, capacity, w.head_dim, device=self.device, dtype=self.dtype))
         # Rows at positions >= start replace the cache's (recomputed after preemption, or the first
         # rows of a request whose earlier states were never seen, e.g. a prefix-cache hit).
         keep = next((j for j, p in enumerate(cache.positions) if p >= start), cache.n)
@@ -299,7 +306,7 @@ class EagleHeadProposer(Proposer):
         self._reserve(cache, needed)
         tokens = torch.as_tensor(list(request.context[start + 1:start + 1 + count]), dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + count, device=self.device)
-        x = self._inputs(tokens, hidden[:count].to(self.device, torch.float32).contiguous())
+        x = self._inputs(tokens, hidden[:count].to(self.device, self.dtype).contiguous())
         queries, keys, values = self._project(x, positions)
         cache.keys[:, keep:needed] = keys
         cache.values[:, keep:needed] = values
@@ -327,7 +334,7 @@ class EagleHeadProposer(Proposer):
         tokens: list[int] = []
         rows = []
         for step in range(gamma):
-            q = processed_probs(self._lm(g)[0], params)  # [V]
+            q = processed_probs(self._lm(g)[0].float(), params)  # [V]
             token = int(q.argmax()) if request.params.greedy else int(sample(q, request.generator))
             tokens.append(token)
             rows.append(q)
@@ -349,7 +356,7 @@ class EagleHeadProposer(Proposer):
         capacity = 1 << math.ceil(math.log2(needed))
         for name in ("keys", "values"):
             old = getattr(cache, name)
-            grown = torch.empty(w.n_kv, capacity, w.head_dim, device=self.device)
+            grown = torch.empty(w.n_kv, capacity, w.head_dim, device=self.device, dtype=self.dtype)
             grown[:, :cache.n] = old[:, :cache.n]
             setattr(cache, name, grown)
 
@@ -362,7 +369,7 @@ class EagleHeadProposer(Proposer):
         x = cache.recent_x[-2:-1]
         queries, _, _ = self._project(x, torch.tensor([last - 1], device=self.device))
         g = self._after_attention(x, self._attend(queries, cache.keys[:, :cache.n - 1], cache.values[:, :cache.n - 1]))
-        return processed_probs(self._lm(g)[0], request.params)
+        return processed_probs(self._lm(g)[0].float(), request.params)
 
     # -- the drafter interface TreeProposer grows trees with (as EnsembleProposer's) ---------
     # A tree's node is the path of drafted tokens from the root (the newest verified position);
@@ -386,7 +393,7 @@ class EagleHeadProposer(Proposer):
     def root_distributions(self, request_ids: Sequence[str], contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """The head's unprocessed (T = 1) distribution after each context: [len(ids), V] float32."""
         g = torch.stack([self._tree_nodes(rid, len(ctx) - 2)[()][0] for rid, ctx in zip(request_ids, contexts)])
-        return self._lm(g).softmax(-1)
+        return self._lm(g).float().softmax(-1)
 
     def branch_distributions_of(self, items) -> list[torch.Tensor]:
         """``items``: (request id, context, paths); per item the head's unprocessed distribution after
@@ -403,7 +410,7 @@ class EagleHeadProposer(Proposer):
                     self.branch_distributions_of([(rid, context, [list(m) for m in dict.fromkeys(missing)])])
                 self._expand(rid, last, level)
             g = torch.stack([nodes[k][0] for k in keys])
-            out.append(self._lm(g).softmax(-1))
+            out.append(self._lm(g).float().softmax(-1))
         return out
 
     def draw_chains(self, active, drafts: list[Draft], row_params: list[SamplingParams] | None = None) -> None:

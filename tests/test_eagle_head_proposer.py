@@ -163,3 +163,27 @@ def test_tree_proposer_over_the_head_drafts_trees(pair):
     assert draft.parents is not None and len(draft.token_ids) == 6 and len(draft.parents) == 7
     assert sorted(draft.parents).count(0) >= 2  # siblings at the root
     assert torch.allclose(draft.probs.sum(-1), torch.ones(6), atol=1e-4)
+
+
+@torch.no_grad()
+def test_a_bfloat16_head_drafts_the_float32_heads_distributions(pair):
+    """draft_dtype bfloat16: the head, its KV cache and the shared embedding / LM head in bfloat16
+    (half the bytes a draft step reads), q still float32 and normalised, and close to the float32
+    head's (bfloat16 rounding only)."""
+    target, _, path = pair
+    context = torch.randint(0, target.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))[0].tolist()
+    f, _ = H.target_hidden_and_logp(target, torch.tensor([context]))
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        proposer = EagleHeadProposer(path, dtype=dtype)
+        proposer.attach_target(target.model.embed_tokens.weight, target.lm_head.weight)
+        draft, = proposer.propose([_request("a", context, 1, SamplingParams(1.0), f[0, :19], 0,
+                                            torch.Generator().manual_seed(7))])
+        cache = proposer._caches["a"]
+        assert proposer.lm_head.dtype == cache.keys.dtype == getattr(torch, dtype)
+        assert draft.probs.dtype == torch.float32
+        torch.testing.assert_close(draft.probs.sum(-1), torch.ones(1))
+        rows.append(draft.probs[0])
+    assert 0.5 * (rows[0] - rows[1]).abs().sum() < 0.05
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        EagleHeadProposer(path, dtype="int8")

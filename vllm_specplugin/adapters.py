@@ -129,9 +129,11 @@ class MultiDraftProposer(CustomClassAdapter):
                 from vllm_specplugin.proposers.eagle_head import EagleHeadProposer
 
                 # The target's embedding and LM head come at load_model(); see there. The head
-                # runs in float32 whatever draft_dtype says; draft_kernels chooses its operations.
-                kernels = self._draft_kernels = draft_kernels(self.config.draft_kernels, device, "float32")
-                proposer = self.head = EagleHeadProposer(self.config.eagle_head, device=device, kernels=kernels)
+                # runs in draft_dtype on the kernels draft_kernels chooses, as the draft models do.
+                dtype = self.config.draft_dtype
+                kernels = self._draft_kernels = draft_kernels(self.config.draft_kernels, device, dtype)
+                proposer = self.head = EagleHeadProposer(self.config.eagle_head, device=device, kernels=kernels,
+                                                         dtype=dtype)
             else:
                 from vllm_specplugin.proposers.medusa_heads import MedusaHeadsProposer
 

@@ -90,7 +90,7 @@ def test_throughput_heads_memory_bound(benchmark, bench_results, served_mb, batc
 # --- the EAGLE head as the plugin's drafter (issue 33) ---------------------------------------
 # The same head served by vLLM's own "eagle" (greedy drafts, one-hot verification; k = 3 and 8) and
 # by the plugin (eagle_head: sampled chains verified against q, k = 3; dynamic trees of 8 and 16 nodes
-# verified whole), next to plain decoding and the best 4.46 M draft model (vLLM's draft_model, gamma
+# verified whole; the chain and the tree of 8 again with the head in bfloat16), next to plain decoding and the best 4.46 M draft model (vLLM's draft_model, gamma
 # 4), on the memory-bound target at batch 1. SPECPLUGIN_BENCH_EAGLE_DIR serves another head (e.g. a long
 # training's, models/demo-mb/eagle-long).
 #
@@ -102,15 +102,18 @@ HEAD_PROMPTS = 6
 
 
 def plugin_eagle_config(heads_dir: str, k: int = EAGLE_DRAFT_TOKENS, tree: dict | None = None,
-                        kind: str = "eagle") -> ServedConfig:
+                        kind: str = "eagle", dtype: str | None = None) -> ServedConfig:
     """The plugin's EAGLE head drafter (MultiDraftProposer with eagle_head; ``kind`` "medusa": its
     Medusa heads drafter, medusa_heads) drafting k tokens, or trees of k nodes (``tree``:
-    tree_drafting) verified whole."""
+    tree_drafting) verified whole; ``dtype``: the head's draft_dtype (default float32)."""
     head = os.path.relpath(heads_dir, os.path.dirname(DEMO))
     name = f"plugin {kind}[{head}] k={k}" if tree is None else f"plugin {kind}[{head}] {tree.get('shape', 'fixed')} tree {k}"
     if tree is not None and "branching" in tree:
         name += f" (branching {tree['branching']})"
     options = {"eagle_head" if kind == "eagle" else "medusa_heads": heads_dir}
+    if dtype is not None:
+        name += f" {dtype}"
+        options["draft_dtype"] = dtype
     if tree is not None:
         options["tree_drafting"] = {"node_budget": k, "verify": "tree", **tree}
     return ServedConfig(name, {"method": "custom_class", "model": "vllm_specplugin.adapters.MultiDraftProposer",
@@ -125,7 +128,9 @@ def vllm_eagle_config(heads_dir: str, k: int) -> ServedConfig:
 served_eagle_head = served_fixture(
     [ServedConfig("plain"), vllm_eagle_config(EAGLE_MB, 3), vllm_eagle_config(EAGLE_MB, 8),
      plugin_eagle_config(EAGLE_MB), plugin_eagle_config(EAGLE_MB, 8, {"shape": "dynamic"}),
-     plugin_eagle_config(EAGLE_MB, 16, {"shape": "dynamic"}), builtin_draft_model_config("demo-mb/draft", 4)],
+     plugin_eagle_config(EAGLE_MB, 16, {"shape": "dynamic"}), plugin_eagle_config(EAGLE_MB, dtype="bfloat16"),
+     plugin_eagle_config(EAGLE_MB, 8, {"shape": "dynamic"}, dtype="bfloat16"),
+     builtin_draft_model_config("demo-mb/draft", 4)],
     target=os.path.join(DEMO_MB, "target"))
 
 
