@@ -1010,14 +1010,16 @@ def head_samplings(long: bool = False) -> list[SamplingConfig]:
 
 def test_plugin_eagle_head_is_exact(peaked_target, peaked_eagle, reference):
     """The plugin's EAGLE head drafter (``eagle_head``: the runner shim hands it the target's hidden
-    states; chains of 2 sampled from the head's processed distribution, verified against that q): T = 0
+    states; chains of 2 sampled from the head's processed distribution, verified against that q), the
+    head in bfloat16 (``draft_dtype``: the fastest served setting; q is processed in float32 from its
+    logits; the tree case below runs it in float32, so both dtypes are checked): T = 0
     (every token the argmax, 32 tokens per prompt) and T = 0.7 / 1.0 with top-k 50 / top-p 0.9 over 3
     tokens (k = 2: the third token comes from the second step whenever the first step's first draft
     is rejected, so the head cache's update after a rejection is on the path; the long samples are
     the tree case's, whose head cache follows the same code)."""
     report = run_honest("honest_eagle_head_plugin", peaked_target, head_samplings(), reference,
                         speculative_config=HEAD_PROPOSER,
-                        additional_config={"specplugin": {"eagle_head": peaked_eagle}})
+                        additional_config={"specplugin": {"eagle_head": peaked_eagle, "draft_dtype": "bfloat16"}})
     for case in report.cases:
         assert case.acceptance_rate and case.acceptance_rate > 0.05, (case.name, case.acceptance_rate)
     print(f"honest_eagle_head_plugin: acceptance {[round(c.acceptance_rate, 3) for c in report.cases]}")
