@@ -273,8 +273,8 @@ class EagleHeadProposer(Proposer):
         n = self.kernels.rms_norm(r, w.norm, w.eps)
         return r + self._down(self.kernels.silu_and_mul(self._gate_up(n)))
 
-    def _root(self, cache: _HeadCache, last: int) -> torch.Tensor:
-        """g [1, d] of the newest entry (at ``last``), attending to every entry."""
+    def _root(self, cache: _HeadCache) -> torch.Tensor:
+        """g [1, d] of the newest entry, attending to every entry (its query kept by _absorb)."""
         n = cache.n
         return self._after_attention(cache.recent_x[-1:], self._attend(cache.recent_q, cache.keys[:, :n], cache.values[:, :n]))
 
@@ -329,7 +329,7 @@ class EagleHeadProposer(Proposer):
         gamma = request.gamma if gamma is None else gamma
         n = cache.n
         self._reserve(cache, n + gamma)
-        g = self._root(cache, last)  # [1, d]
+        g = self._root(cache)  # [1, d]
         params = row_params or request.params
         tokens: list[int] = []
         rows = []
@@ -435,7 +435,7 @@ class EagleHeadProposer(Proposer):
             cache = self._caches[request_id]
             if not cache.positions or cache.positions[-1] != last:
                 raise RuntimeError(f"request {request_id}: the head has no entry for position {last}")
-            nodes = self._nodes[request_id] = {(): (self._root(cache, last)[0], None, None)}
+            nodes = self._nodes[request_id] = {(): (self._root(cache)[0], None, None)}
         return nodes
 
     def _expand(self, request_id: str, last: int, paths: list[tuple[int, ...]]) -> None:
