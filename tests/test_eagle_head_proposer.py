@@ -187,3 +187,33 @@ def test_a_bfloat16_head_drafts_the_float32_heads_distributions(pair):
     assert 0.5 * (rows[0] - rows[1]).abs().sum() < 0.05
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
         EagleHeadProposer(path, dtype="int8")
+
+
+@torch.no_grad()
+def test_the_head_is_one_drafter_of_a_merged_tree(pair):
+    """tree_drafting.merge with eagle_head (what vllm_specplugin/adapters.py builds): the suffix
+    drafter's chain over the request's repeating context and the head's dynamic tree are merged
+    into one tree, the head drafting with the budget the chain left."""
+    from vllm_specplugin.proposers.choice import ChoicePolicy
+    from vllm_specplugin.proposers.merged_proposer import MergedTreeProposer
+    from vllm_specplugin.proposers.merged_tree import MergedTree
+    from vllm_specplugin.proposers.suffix import SuffixDrafter, SuffixSettings
+    from vllm_specplugin.proposers.tree import TokenTree, TreeProposer
+
+    target, _, _ = pair
+    head = _proposer(pair)
+    tree = TreeProposer(head, node_budget=8, verify="tree", shape="dynamic")
+    suffix = SuffixDrafter(head.vocab_size, SuffixSettings(corpus_requests=0))
+    merged = MergedTreeProposer(tree, [("suffix", suffix)], 0.5, ChoicePolicy(draft_cost=0.0, verify_cost=0.0))
+    context = [5, 6, 7, 8, 9] * 3 + [5, 6]  # "5 6" seen before: the suffix continues 7 8 9 5
+    f, _ = H.target_hidden_and_logp(target, torch.tensor([context]))
+    request = DraftRequest("r", context, 8, SamplingParams(1.0), torch.Generator().manual_seed(2),
+                           tree_ok=True, hidden_states=f[0, :len(context) - 1], hidden_start=0)
+    draft, = merged.propose([request])
+    merged_tree = merged.last_trees["r"]
+    assert isinstance(merged_tree, MergedTree) and merged.last_drafters["r"] == ["suffix", "model"]
+    assert draft.parents == merged_tree.parents and len(draft.token_ids) <= 8
+    suffix_nodes = [j for j in range(1, merged_tree.num_nodes) if 0 in merged_tree.proposed_by[j]]
+    assert [merged_tree.tokens[j] for j in suffix_nodes] == [7, 8, 9, 5]
+    head_tree = tree.last_trees["r"]
+    assert isinstance(head_tree, TokenTree) and 1 <= head_tree.num_nodes - 1 <= 4
