@@ -53,6 +53,17 @@ class _RequestCache:
     shared_chain: list = field(default_factory=list)  # prefix-cache nodes this request holds
     prompt_length: int = 0  # the first context seen: the part worth sharing with other requests
     tracked: bool = False  # in DraftRuntime._caches, so counted in its cache_bytes
+    # Bumped whenever the cached context's entries change (a forward that commits, a cut, a
+    # shared prefix loaded): token-tree nodes computed before are stale then.
+    version: int = 0
+    # Token-tree nodes of the current context (DraftBatch.branches_of), kept from one wave of a
+    # tree's growth to the next so a path's ancestors are not forwarded again: path (tuple of
+    # tokens after the context) -> the scratch entry of its last token; valid while ``version``
+    # equals ``tree_version`` and the context has ``tree_base`` tokens; ``tree_end``: next free entry.
+    tree_nodes: dict = field(default_factory=dict)
+    tree_version: int = -1
+    tree_base: int = -1
+    tree_end: int = 0
 
     @property
     def capacity(self) -> int:
@@ -365,6 +376,7 @@ class DraftRuntime:
             self._reserve(cache, length)
             self.prefix_cache.load_into(chain, cache.kv)
             cache.cached_tokens = list(context[:length])
+            cache.version += 1
             self.prefix_cache.acquire(chain)
             cache.shared_chain = chain
 
@@ -424,6 +436,7 @@ class DraftRuntime:
         for row, new, at in zip(rows, tokens, writes):
             if row.scratch is None:
                 row.prefix += len(new)
+                row.cache.version += 1
             else:
                 row.extra.extend(range(at, at + len(new)))
             row.position += len(new)
@@ -613,11 +626,16 @@ class DraftBatch:
                     items: Sequence[tuple[str, list[int], list[list[int]]]]) -> DraftBatch:
         """:meth:`branches` for several requests in one forward: ``items`` are (request id,
         context, paths), each request at most once; the rows are items[0]'s paths in order, then
-        items[1]'s, and so on."""
+        items[1]'s, and so on.
+
+        A path whose ancestors were computed by an earlier call on the same context (the waves of
+        one tree's growth) forwards only its new tokens, attending to those ancestors' scratch
+        entries: a tree grown one level per call costs one token per node, as a chain does, not
+        its depth in tokens."""
         request_ids = [request_id for request_id, _, _ in items]
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("a request can be in a batch only once")
-        rows, row_ids, row_paths = [], [], []
+        rows, row_ids, row_new, recorded = [], [], [], []
         for request_id, context, paths in items:
             if not context or not paths or not all(paths):
                 raise ValueError("branches need a context and non-empty paths")
@@ -626,13 +644,26 @@ class DraftBatch:
             if len(cache.cached_tokens) < len(context):
                 runtime._prefill_alone(cache, context[len(cache.cached_tokens):])
             length = len(cache.cached_tokens)
-            scratch = [length]  # shared by the request's rows: each writes past the previous
-            rows += [_Row(cache, prefix=length, position=length, scratch=scratch) for _ in paths]
+            if cache.tree_version != cache.version or cache.tree_base != length:
+                cache.tree_nodes, cache.tree_version, cache.tree_base, cache.tree_end = {}, cache.version, length, length
+            scratch = [cache.tree_end]  # shared by the request's rows: each writes past the previous
+            for path in paths:
+                path = tuple(path)
+                known = len(path) - 1  # the longest computed proper prefix (its last token is always forwarded)
+                while known and path[:known] not in cache.tree_nodes:
+                    known -= 1
+                ancestors = [cache.tree_nodes[path[:j]] for j in range(1, known + 1)]
+                rows.append(_Row(cache, prefix=length, position=length + known, scratch=scratch, extra=ancestors))
+                row_new.append(list(path[known:]))
+                recorded.append((cache, path, known))
             row_ids += [request_id] * len(paths)
-            row_paths += [list(p) for p in paths]
         batch = cls.__new__(cls)
         batch._setup(runtime, row_ids, rows, writable=False)
-        batch._forward(list(range(len(rows))), row_paths)
+        batch._forward(list(range(len(rows))), row_new)
+        for row, (cache, path, known) in zip(rows, recorded):
+            for depth, entry in enumerate(row.extra[known:], start=known + 1):
+                cache.tree_nodes[path[:depth]] = entry
+            cache.tree_end = max(cache.tree_end, row.scratch[0])
         return batch
 
     def _setup(self, runtime: DraftRuntime, request_ids: list[str], rows: list[_Row], writable: bool) -> None:
@@ -679,4 +710,6 @@ def _rollback(cache: _RequestCache, context: list[int], keep_last_uncached: bool
         common += 1
     if keep_last_uncached:
         common = min(common, len(context) - 1)
+    if common < len(cached):
+        cache.version += 1
     del cache.cached_tokens[common:]

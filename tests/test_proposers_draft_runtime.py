@@ -342,6 +342,47 @@ def test_branches_use_scratch_entries_and_leave_the_cache_alone(lean):
     after.close()
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_a_tree_grown_wave_by_wave_forwards_each_node_once(lean):
+    """The waves of one tree's growth (a call per level, as TreeProposer's builders ask): each
+    path forwards only its new token, attending to its ancestors' scratch entries from earlier
+    calls, with the logits of the whole context + path; once the context changes, nothing of the
+    old tree is reused."""
+    from vllm_specplugin.proposers.draft_runtime import DraftBatch
+
+    rt = DraftRuntime(os.path.join(REPO_ROOT, "models", "demo", "draft-small"), target_vocab_size=VOCAB,
+                      lean_forward=lean)
+    ctx = context(40, seed=26)
+    rt.open_batch(["t"], [ctx]).close()
+    waves = [[[5], [9]], [[5, 6], [5, 8], [9, 11]], [[5, 6, 7]], [[5, 8, 2], [9, 11, 4]]]
+    for wave in waves:
+        before = rt.tokens_forwarded
+        branches = DraftBatch.branches(rt, "t", ctx, wave)
+        assert rt.tokens_forwarded - before == len(wave)  # one token per node
+        for row, path in enumerate(wave):
+            torch.testing.assert_close(branches.logits[row], full_forward_logits(rt, ctx + path), atol=2e-4, rtol=1e-4)
+        branches.close()
+    # A path asked again forwards its last token again (its logits are not kept), nothing more.
+    before = rt.tokens_forwarded
+    DraftBatch.branches(rt, "t", ctx, [[5, 6, 7]]).close()
+    assert rt.tokens_forwarded - before == 1
+    # Another context of the same length (its last token replaced): the old tree is stale.
+    other = ctx[:-1] + [7 if ctx[-1] != 7 else 8]
+    before = rt.tokens_forwarded
+    branches = DraftBatch.branches(rt, "t", other, [[5, 6]])
+    assert rt.tokens_forwarded - before == 1 + 2
+    torch.testing.assert_close(branches.logits[0], full_forward_logits(rt, other + [5, 6]), atol=2e-4, rtol=1e-4)
+    branches.close()
+    # The context moves on (a committed token): the old tree's entries are stale, paths start over.
+    rt.open_batch(["t"], [ctx + [5]]).close()
+    new_ctx = ctx + [5, 3]
+    before = rt.tokens_forwarded
+    branches = DraftBatch.branches(rt, "t", new_ctx, [[5, 6]])
+    assert rt.tokens_forwarded - before == 1 + 2  # the new context token, then the whole path
+    torch.testing.assert_close(branches.logits[0], full_forward_logits(rt, new_ctx + [5, 6]), atol=2e-4, rtol=1e-4)
+    branches.close()
+
+
 def test_a_request_is_in_a_batch_once(runtime):
     with pytest.raises(ValueError, match="only once"):
         runtime.open_batch(["x", "x"], [[1, 2], [1, 2]])
