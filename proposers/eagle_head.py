@@ -177,7 +177,6 @@ class EagleHeadProposer(Proposer):
         self._lm = None  # the LM head's product, from attach_target
         inv = 1.0 / w.rope_theta ** (torch.arange(0, w.head_dim, 2, dtype=torch.float32, device=self.device) / w.head_dim)
         self._inv_freq = inv  # [hd / 2]
-        self._rope_positions = 0
         self._rope_table(ROPE_TABLE_POSITIONS)
 
     def _rope_table(self, size: int) -> None:
