@@ -463,7 +463,19 @@ class DraftRuntime:
         attention, ends, end = [], [], 0
         for row, new, at in zip(rows, tokens, writes):
             n = len(new)
-            attention.append(RowAttention(row.cache.kv, n, at, at + n, self._row_mask(row, n, at)))
+            mask = self._row_mask(row, n, at)
+            previous = attention[-1] if attention else None
+            if (mask is not None and previous is not None and previous.mask is not None
+                    and previous.kv is row.cache.kv and previous.keys == at):
+                # The next path of the same request's tree, written right after the previous
+                # one: one attention row with both masks (a wave of a tree is then one row, which
+                # the one-row fast path takes at batch 1), not one attention call per path.
+                merged = torch.zeros(previous.n + n, at + n, dtype=torch.bool, device=self.device)
+                merged[:previous.n, :previous.keys] = previous.mask
+                merged[previous.n:] = mask
+                attention[-1] = RowAttention(row.cache.kv, previous.n + n, previous.write_at, at + n, merged)
+            else:
+                attention.append(RowAttention(row.cache.kv, n, at, at + n, mask))
             end += n
             ends.append(end - 1)
         last = torch.tensor(ends, dtype=torch.long, device=self.device) if need_logits else None

@@ -8,8 +8,9 @@ each forward as a target step does), the products take 0.67 of the 1.3 ms of a o
 forward; the rest is that dispatch, itself slowed by the cold caches.
 
 :class:`LeanDecode` runs the same computation, with the same kernels and in the same order, for
-the common case of a single row whose new tokens attend to everything before them (a request's
-catch-up and its one-token extends), with the per-forward Python work cut down:
+the common case of a single row (a request's catch-up and its one-token extends, whose new tokens
+attend to everything before them, and the wave of one request's token tree, masked), with the
+per-forward Python work cut down:
 
 - every intermediate is written into buffers allocated once per new-token count (products,
   RMSNorm and SiLU-and-mul through their ``out`` forms where the kernels have one: see
@@ -23,8 +24,8 @@ catch-up and its one-token extends), with the per-forward Python work cut down:
   forward;
 - the final residual add and norm run on the last token only, in one fused kernel call.
 
-Anything else (several rows, token-tree masks, more than :data:`MAX_FAST_TOKENS` new tokens, as
-in a prefill) goes to the wrapped :class:`LeanLlama` as it is.
+Anything else (several rows, more than :data:`MAX_FAST_TOKENS` new tokens, as in a prefill) goes
+to the wrapped :class:`LeanLlama` as it is.
 The logits equal the wrapped forward's up to float rounding (bit for bit for the one-token
 forward in float32, with torch's kernels and with vLLM's; ``tests/test_lean_decode.py``).
 Measured against it, thread CPU time, one thread, median of 9 interleaved repeats on a loaded
@@ -185,9 +186,9 @@ class LeanDecode:
         rows: list[RowAttention],
         last: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """As :meth:`LeanLlama.forward_rows`; one row without a mask takes the fast path."""
-        if (len(rows) != 1 or rows[0].mask is not None or rows[0].n > MAX_FAST_TOKENS
-                or (last is not None and last.numel() != 1)):
+        """As :meth:`LeanLlama.forward_rows`; one row takes the fast path (with its mask, if any:
+        the paths of one request's token-tree wave, merged into one row by the draft runtime)."""
+        if len(rows) != 1 or rows[0].n > MAX_FAST_TOKENS:
             return self.lean.forward_rows(input_ids, positions, rows, last)
         return self._forward_row(input_ids, positions, rows[0], last)
 
@@ -208,7 +209,7 @@ class LeanDecode:
         slots = kv[:, :, :, at:at + n].unbind(0)
         seen = kv[:, :, None, :, :keys]
         seen_keys, seen_values = seen[:, 0].unbind(0), seen[:, 1].unbind(0)
-        mask = None if n == 1 else self._causal_mask(n, keys)
+        mask = row.mask if row.mask is not None else (None if n == 1 else self._causal_mask(n, keys))
         residual = torch.index_select(lean.embed, 0, input_ids, out=b.residual)
         h = b.h
         out_kernels.rms_norm_into(h, residual, self.layers[0][0], eps)

@@ -112,8 +112,9 @@ def test_fast_path_is_bitwise_the_lean_forward_in_float32(kernel_name):
 
 
 def test_other_batches_go_to_the_wrapped_forward():
-    """Several rows, token-tree rows (masked) and long prefills are the wrapped forward's (no
-    buffers kept for them); a single row after them takes the fast path again, on the same caches."""
+    """Several rows and long prefills are the wrapped forward's (no buffers kept for them); a
+    single row after them takes the fast path again, on the same caches; so does a token tree's
+    wave (one request's paths, merged into one masked row by the draft runtime)."""
     fast, lean, _ = _runtimes("torch", "float32")
     contexts = [context(60, seed=1), context(7, seed=2)]
     batches = [rt.open_batch(["a", "b"], contexts) for rt in (fast, lean)]
@@ -122,12 +123,18 @@ def test_other_batches_go_to_the_wrapped_forward():
     torch.testing.assert_close(batches[0].extend([3, 4]), batches[1].extend([3, 4]), atol=1e-5, rtol=1e-5)
     for b in batches:
         b.close()
-    trees = [DraftBatch.branches(rt, "a", contexts[0] + [3], [[5, 6], [8]]) for rt in (fast, lean)]
-    torch.testing.assert_close(trees[0].logits, trees[1].logits, atol=1e-5, rtol=1e-5)
     assert fast.lean.fast_forwards == 0 and not fast.lean._buffers
     singles = [rt.open_batch(["b"], [contexts[1] + [4, 9]]) for rt in (fast, lean)]
     torch.testing.assert_close(singles[0].logits, singles[1].logits, atol=1e-5, rtol=1e-5)
     assert fast.lean.fast_forwards == 1 and set(fast.lean._buffers) == {1}
+    # A tree's waves: two paths (3 tokens, one masked row), then a path over its computed parent.
+    trees = [DraftBatch.branches(rt, "a", contexts[0] + [3], [[5, 6], [8]]) for rt in (fast, lean)]
+    assert trees[0].logits.shape == (2, fast.vocab_size)
+    torch.testing.assert_close(trees[0].logits, trees[1].logits, atol=1e-5, rtol=1e-5)
+    assert fast.lean.fast_forwards == 2 and set(fast.lean._buffers) == {1, 3}
+    waves = [DraftBatch.branches(rt, "a", contexts[0] + [3], [[5, 6, 7], [8, 2]]) for rt in (fast, lean)]
+    torch.testing.assert_close(waves[0].logits, waves[1].logits, atol=1e-5, rtol=1e-5)
+    assert fast.lean.fast_forwards == 3 and set(fast.lean._buffers) == {1, 2, 3}
 
 
 @pytest.mark.parametrize("kernel_name", ["torch", "vllm"])

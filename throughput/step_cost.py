@@ -92,7 +92,7 @@ def _measure(job: dict) -> dict:
         return out
 
     engine.step = timed_step
-    params = SamplingParams(temperature=0.0, max_tokens=job["tokens"], ignore_eos=True)
+    params = SamplingParams(temperature=job.get("temperature", 0.0), max_tokens=job["tokens"], ignore_eos=True)
     batch = job.get("batch", 1)
     # Rows of a batch get different prompts (shifted token ranges), so their drafts differ.
     prompts = [TokensPrompt(prompt_token_ids=list(range(10 + 7 * row, 10 + 7 * row + job["prompt_len"])))
@@ -143,11 +143,11 @@ def _measure(job: dict) -> dict:
 def run_config(model: str, gamma: int, eager: bool, tokens: int, rounds: int, prompt_len: int,
                profile: bool = False, additional_config: dict | None = None, timeout: float = 1200,
                proposer: str = "free", draft: str | None = None, threads: int | None = None,
-               batch: int = 1, cpu_time: bool = False, heldout: bool = False) -> dict:
+               batch: int = 1, cpu_time: bool = False, heldout: bool = False, temperature: float = 0.0) -> dict:
     job = dict(model=model, gamma=gamma, eager=eager, tokens=tokens, rounds=rounds, prompt_len=prompt_len,
                profile=profile, additional_config=additional_config, proposer=proposer, draft=draft,
                threads=threads or served_threads(), batch=batch,
-               cpu_time=cpu_time, heldout=heldout)
+               cpu_time=cpu_time, heldout=heldout, temperature=temperature)
     env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(job["threads"])}
     proc = subprocess.run([sys.executable, "-m", "vllm_specplugin.throughput.step_cost", "--child", json.dumps(job)],
                           env=env, capture_output=True, text=True, timeout=timeout)
@@ -171,6 +171,8 @@ def main(argv=None) -> int:
                     help="time steps in thread CPU time (robust on a loaded machine) instead of wall time")
     ap.add_argument("--heldout", action="store_true",
                     help="the benchmarks' held-out text prompts (one per batch row) instead of --prompt-len tokens")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of the timed requests (unseeded, as the benchmarks send them)")
     ap.add_argument("--batch", type=int, default=1,
                     help="requests decoded together (distinct prompts); tokens per step is per request")
     ap.add_argument("--profile", action="store_true", help="print a cProfile table of each config's last round")
@@ -198,7 +200,8 @@ def main(argv=None) -> int:
     for gamma in tqdm(args.gammas, desc="r by gamma", unit="engine"):
         res = run_config(model, gamma, args.eager, args.tokens, args.rounds, args.prompt_len, args.profile,
                          args.additional_config, proposer=args.proposer, draft=draft, threads=args.threads,
-                         batch=args.batch, cpu_time=args.cpu_time, heldout=args.heldout)
+                         batch=args.batch, cpu_time=args.cpu_time, heldout=args.heldout,
+                         temperature=args.temperature)
         best_round = min(res["rounds"], key=lambda r: r["median_step_s"])
         results[gamma] = {"best_median_step_ms": best_round["median_step_s"] * 1e3,
                           "prefill_ms": best_round["prefill_s"] * 1e3, "prompt_tokens": best_round["prompt_tokens"],
@@ -211,7 +214,7 @@ def main(argv=None) -> int:
     drafts = {"free": f"drafts free ({REPEAT})", "plugin": f"the plugin's proposer, draft {draft}",
               "draft_model": f"vLLM draft_model, draft {draft}"}[args.proposer]
     threads = args.threads or served_threads()
-    print(f"\nmodel {model}, {mode}, batch {args.batch}, T=0, {threads} thread(s), {drafts}; best of {args.rounds} rounds "
+    print(f"\nmodel {model}, {mode}, batch {args.batch}, T={args.temperature:g}, {threads} thread(s), {drafts}; best of {args.rounds} rounds "
           f"of the median decode step")
     print(f"{'gamma':>5} {'step ms':>8} {'step/plain':>10} {'tokens/step':>11} {'prefill ms':>10}")
     for gamma, res in results.items():

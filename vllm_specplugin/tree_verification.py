@@ -193,10 +193,18 @@ def read_paged_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: i
     [>= ceil(n / B)] the request's block table row; ``layout`` one of :data:`LAYOUTS`. Returns
     (K, V), each [num_tokens, H_kv, D] in the cache dtype, on the cache's device.
     """
-    num_blocks, heads, block, two_d = kv_cache.shape
-    dim = two_d // 2
+    block = kv_cache.shape[2]
     needed = -(-num_tokens // block)
-    blocks = kv_cache[block_ids[:needed].long().to(kv_cache.device)]  # [n_blk, H, B, 2D], a copy
+    # index_select, not kv_cache[ids]: advanced indexing of the cache took 8x as long on CPU (288 vs 34 us, 1 MB).
+    blocks = kv_cache.index_select(0, block_ids[:needed].long().to(kv_cache.device))  # [n_blk, H, B, 2D], a copy
+    return blocks_kv(blocks, num_tokens, layout)
+
+
+def blocks_kv(blocks: torch.Tensor, num_tokens: int, layout: str):
+    """The first ``num_tokens`` tokens' (K, V), each [num_tokens, H_kv, D], of cache blocks
+    ``blocks`` [n_blk, H_kv, B, 2D] taken in order (:func:`read_paged_kv` without the gather)."""
+    needed, heads, block, two_d = blocks.shape
+    dim = two_d // 2
     if layout == "kv_interleaved":  # token rows [K | V] (CUDA backends)
         k, v = blocks.transpose(1, 2).split(dim, dim=-1)  # each [n_blk, B, H, D]
         return (k.reshape(needed * block, heads, dim)[:num_tokens],
@@ -260,25 +268,39 @@ def tree_attention_batch(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     [E, M, N] bool, query row against node (every row needs a True: padded rows attend to a real
     node). Returns [E, M, H, D] float32.
     """
-    entries, nodes, heads, _ = query.shape
+    longest, padding, full_mask = tree_attention_masks(prefix_lengths, mask, prefix_key.device)
+    return _tree_attention_masked(query, key, value, prefix_key[:, :longest], prefix_value[:, :longest],
+                                  padding, full_mask, scale)
+
+
+def tree_attention_masks(prefix_lengths: torch.Tensor, mask: torch.Tensor, device) -> tuple:
+    """What :func:`tree_attention_batch` needs besides the tensors, the same for every layer of a
+    step: (L, the longest prefix; padding [E, L, 1, 1] bool, True past an entry's prefix, or None
+    when no entry has any; the attention mask [E, 1, M, L + N] bool)."""
+    entries, rows, _ = mask.shape
     longest = int(prefix_lengths.max())
-    prefix_key, prefix_value = prefix_key[:, :longest], prefix_value[:, :longest]  # the blocks' tail is padding
-    length = prefix_key.shape[1]
-    valid = torch.arange(length, device=prefix_key.device)[None, :] < prefix_lengths.to(prefix_key.device)[:, None]
+    valid = torch.arange(longest, device=device)[None, :] < prefix_lengths.to(device)[:, None]
+    padding = None if bool(valid.all()) else ~valid[:, :, None, None]
+    full_mask = torch.cat([valid[:, None, :].expand(entries, rows, longest), mask.to(device)], dim=2)
+    return longest, padding, full_mask[:, None]
+
+
+def _tree_attention_masked(query, key, value, prefix_key, prefix_value, padding, full_mask, scale) -> torch.Tensor:
+    """:func:`tree_attention_batch` with the prefixes cut to L and the masks of
+    :func:`tree_attention_masks`."""
+    heads = query.shape[2]
     prefix_key, prefix_value = prefix_key.float(), prefix_value.float()
-    if not bool(valid.all()):  # padding rows (entries of different lengths): zero them, NaN included
-        keep = valid[:, :, None, None]
-        prefix_key, prefix_value = prefix_key.masked_fill(~keep, 0), prefix_value.masked_fill(~keep, 0)
+    if padding is not None:  # padding rows (entries of different lengths): zero them, NaN included
+        prefix_key, prefix_value = prefix_key.masked_fill(padding, 0), prefix_value.masked_fill(padding, 0)
     keys = torch.cat([prefix_key, key.float()], dim=1)  # [E, L + N, H_kv, D]
     values = torch.cat([prefix_value, value.float()], dim=1)
     group = heads // keys.shape[2]
     if group > 1:
         keys = keys.repeat_interleave(group, dim=2)
         values = values.repeat_interleave(group, dim=2)
-    full_mask = torch.cat([valid[:, None, :].expand(entries, nodes, length), mask.to(valid.device)], dim=2)
     out = torch.nn.functional.scaled_dot_product_attention(
         query.float().transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=full_mask[:, None].to(query.device), scale=scale,
+        attn_mask=full_mask.to(query.device), scale=scale,
     )
     return out.transpose(1, 2)
 
@@ -464,6 +486,10 @@ class _StepLayout:
     query_rows: torch.Tensor  # [E, M] int64: the token rows recomputed (padding: the entry's root row)
     query_real: torch.Tensor  # [E, M] bool: a recomputed row, not padding
     mask: torch.Tensor  # [E, M, N] bool: the recomputed rows' ancestors-or-self; padding rows see the root
+    # Per chunk of entries, from the first layer on (the same for every layer): (entries slice,
+    # block ids [E_c * blocks] int64, blocks per entry, tree_attention_masks(...) of the chunk,
+    # the chunk's real recomputed rows: their flat positions in [E_c * M], their token rows).
+    chunks: list | None = None
 
 
 def leading_chain(parents: Sequence[int]) -> int:
@@ -504,6 +530,31 @@ def _step_layout(step: TreeStep, attn_metadata) -> _StepLayout:
     return _StepLayout(node_rows, node_rows[real], sizes, prefix_lengths, block_rows, query_rows, query_real, mask)
 
 
+def _attention_chunks(plan: _StepLayout, attn_metadata, kv_cache: torch.Tensor, device) -> list:
+    """The step's attention calls (see :attr:`_StepLayout.chunks`): entries in chunks bounded by
+    :data:`TREE_ATTENTION_CHUNK_BYTES`; none when no row is off a leading chain (every entry a
+    chain: merged trees are walked by the merged rule even when chain-shaped), where the engine's
+    causal rows are already right and only K/V are saved."""
+    if plan.query_rows.shape[1] == 0:
+        return []
+    _, heads_kv, block, two_d = kv_cache.shape
+    per_entry = 2 * 4 * heads_kv * (two_d // 2) * (int(plan.prefix_lengths.max()) + plan.mask.shape[2])
+    size = max(1, TREE_ATTENTION_CHUNK_BYTES // max(1, per_entry))
+    table_device = attn_metadata.block_table.device
+    chunks = []
+    for first in range(0, len(plan.sizes), size):
+        part = slice(first, first + size)
+        lengths = plan.prefix_lengths[part]
+        blocks = max(1, -(-int(lengths.max()) // block))
+        table = attn_metadata.block_table[plan.block_rows[part].to(table_device), :blocks]
+        real = plan.query_real[part].reshape(-1)
+        real_at = real.nonzero().flatten()
+        chunks.append((part, table.reshape(-1).long().to(kv_cache.device), blocks,
+                       tree_attention_masks(lengths, plan.mask[part], device),
+                       real_at.to(device), plan.query_rows[part].reshape(-1)[real_at].to(device)))
+    return chunks
+
+
 def _recompute_tree_rows(impl, step: TreeStep, layer, query, key, value, kv_cache, attn_metadata, output) -> None:
     """Overwrite ``output`` [T, H, D] at every tree entry's rows with tree attention, and save the
     rows' K/V [N, H_kv, D] and slots [N] for the compaction after sampling.
@@ -514,31 +565,26 @@ def _recompute_tree_rows(impl, step: TreeStep, layer, query, key, value, kv_cach
         step.layout_cache = _step_layout(step, attn_metadata)
     plan = step.layout_cache
     device = query.device
-    block = kv_cache.shape[2]
-    heads_kv, dim = key.shape[1], key.shape[2]
-    per_entry = 2 * 4 * heads_kv * dim * (int(plan.prefix_lengths.max()) + plan.mask.shape[2])
-    chunk = max(1, TREE_ATTENTION_CHUNK_BYTES // max(1, per_entry))
-    node_rows = plan.node_rows.to(device)
-    query_rows, query_real = plan.query_rows.to(device), plan.query_real.to(device)
-    # No row off a leading chain (every entry a chain: merged trees are walked by the merged rule
-    # even when chain-shaped): the engine's causal rows are already right, only K/V are saved.
-    recompute = plan.query_rows.shape[1] > 0
-    for first in range(0, len(plan.sizes) if recompute else 0, chunk):
-        part = slice(first, first + chunk)
-        lengths = plan.prefix_lengths[part]
-        blocks = max(1, -(-int(lengths.max()) // block))
-        table = attn_metadata.block_table[plan.block_rows[part].to(attn_metadata.block_table.device), :blocks]
-        entries = table.shape[0]
-        prefix_k, prefix_v = read_paged_kv(kv_cache, table.reshape(-1), entries * blocks * block, step.layout)
-        rows, q_rows, q_real = node_rows[part], query_rows[part], query_real[part]
-        out = tree_attention_batch(
-            query[q_rows], key[rows], value[rows],
-            prefix_k.reshape(entries, blocks * block, heads_kv, dim), prefix_v.reshape(entries, blocks * block, heads_kv, dim),
-            lengths, plan.mask[part], impl.scale)
-        output[q_rows[q_real]] = out[q_real.to(out.device)].to(output.dtype)
+    heads, heads_kv, dim = query.shape[1], key.shape[1], key.shape[2]
+    if plan.chunks is None:
+        plan.chunks = _attention_chunks(plan, attn_metadata, kv_cache, device)
+    # Gathers by index_select and a write by index_copy_: advanced indexing (tensor[rows]) cost
+    # several times as much on CPU at these sizes. No chunk when no row is off a leading chain.
+    for part, block_ids, blocks, (longest, padding, full_mask), real_at, real_rows in plan.chunks:
+        entries = block_ids.shape[0] // blocks
+        prefix_k, prefix_v = blocks_kv(kv_cache.index_select(0, block_ids), block_ids.shape[0] * kv_cache.shape[2], step.layout)
+        prefix_k = prefix_k.view(entries, -1, heads_kv, dim)[:, :longest]
+        prefix_v = prefix_v.view(entries, -1, heads_kv, dim)[:, :longest]
+        rows, q_rows = plan.node_rows[part], plan.query_rows[part]
+        out = _tree_attention_masked(
+            query.index_select(0, q_rows.reshape(-1).to(device)).view(entries, -1, heads, dim),
+            key.index_select(0, rows.reshape(-1).to(device)).view(entries, -1, heads_kv, dim),
+            value.index_select(0, rows.reshape(-1).to(device)).view(entries, -1, heads_kv, dim),
+            prefix_k, prefix_v, padding, full_mask, impl.scale)
+        output.index_copy_(0, real_rows, out.reshape(-1, heads, dim).index_select(0, real_at).to(output.dtype))
     rows = plan.rows.to(device)
-    keys, values = key[rows].clone(), value[rows].clone()
-    slots = attn_metadata.slot_mapping[rows.to(attn_metadata.slot_mapping.device)].to(torch.int64)
+    keys, values = key.index_select(0, rows), value.index_select(0, rows)  # copies: saved past this layer
+    slots = attn_metadata.slot_mapping.index_select(0, rows.to(attn_metadata.slot_mapping.device)).to(torch.int64)
     step.saved.append(_SavedLayer(impl, layer, kv_cache, list(keys.split(plan.sizes)), list(values.split(plan.sizes)),
                                   list(slots.split(plan.sizes))))
 
