@@ -1,7 +1,10 @@
 """Which drafter drafts for each request at each step: the one with the best expected goodput.
 
-:class:`DrafterChoice` holds a model proposer (one draft or an ensemble, chain or tree) and a
-zero-cost :class:`~vllm_specplugin.proposers.suffix.SuffixDrafter`. Per request and step it
+:class:`DrafterChoice` holds a model proposer (one draft or an ensemble, chain or tree, or a
+heads drafter: EAGLE, Medusa) and a zero-cost :class:`~vllm_specplugin.proposers.suffix.SuffixDrafter`.
+An EAGLE head is handed the target's states of every request at every step, drafting or not
+(with gamma 0 where another option was chosen), so that its cache holds every verified position
+when it is chosen again. Per request and step it
 compares three options by expected tokens per unit of step time (the classic speculative
 speedup, with the verification's cost counted):
 
@@ -499,12 +502,19 @@ class DrafterChoice(Proposer):
             elif choice.drafter == SUFFIX:
                 tokens = list(chain.tokens)
                 drafts[i] = Draft(tokens, self.suffix.one_hot(tokens))
+        # A heads drafter (EAGLE) keeps a cache of every verified position's target state: it
+        # takes the states of the requests it does not draft for too, with gamma 0 (no draft).
+        modelled = {i for i, _ in to_model}
+        absorbing = [dataclasses.replace(request, gamma=0) for i, request in enumerate(requests)
+                     if request.hidden_states is not None and i not in modelled]
+        if absorbing and not to_model:
+            self.model.propose(absorbing)
         if to_model:
             # A request new to the draft model prefills its whole context there: not a draft token's price.
             tracked = self.model.tracked_request_ids()
             fresh = any(request.request_id not in tracked for _, request in to_model)
             draft_started = self.costs.clock()
-            model_drafts = self.model.propose([request for _, request in to_model])
+            model_drafts = self.model.propose([request for _, request in to_model] + absorbing)[:len(to_model)]
             draft_s = self.costs.clock() - draft_started
             # (Not left out when the step admits a request: under a burst most steps do, and a
             # new request's draft prefill is already left out as `fresh`.)

@@ -209,3 +209,20 @@ def test_dynamic_tree_shape_keys_reach_the_tree_proposer():
                     "calibration_weight": 2.0, "verify": "tree", "node_budget": 8}
     assert set(tree) <= set(inspect.signature(TreeProposer).parameters)
     assert TREE_SHAPES == PROPOSER_SHAPES
+
+
+def test_heads_drafters_combine_with_the_drafter_choice_only(tmp_path):
+    """eagle_head / medusa_heads with suffix_drafting (the head's chain chosen against the suffix
+    drafter's per request) is a config; with draft models, adaptive γ or each other it is an error
+    naming the field."""
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    for key in ("eagle_head", "medusa_heads"):
+        config = SpecPluginConfig.from_dict({key: str(head), "suffix_drafting": {"model_gamma": 3}})
+        settings, policy = config.drafter_choice()
+        assert getattr(config, key) == str(head) and policy.model_gamma == 3
+        for other in ({"adaptive_gamma": {}}, {"drafts": [str(head)]}, {"draft_weights": [1.0]}):
+            with pytest.raises(SpecPluginConfigError) as info:
+                SpecPluginConfig.from_dict({key: str(head), **other})
+            assert info.value.field == key, info.value

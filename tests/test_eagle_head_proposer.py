@@ -217,3 +217,35 @@ def test_the_head_is_one_drafter_of_a_merged_tree(pair):
     assert [merged_tree.tokens[j] for j in suffix_nodes] == [7, 8, 9, 5]
     head_tree = tree.last_trees["r"]
     assert isinstance(head_tree, TokenTree) and 1 <= head_tree.num_nodes - 1 <= 4
+
+
+@torch.no_grad()
+def test_the_head_in_the_drafter_choice_keeps_every_state_while_the_suffix_drafts(pair):
+    """suffix_drafting with eagle_head (what vllm_specplugin/adapters.py builds): at steps where the
+    choice drafts with the suffix or drafts nothing, the head still takes the verified positions'
+    states, so when it is chosen its draft is the draft of a head that saw every state (made red by
+    handing the head only the requests it drafts for)."""
+    from vllm_specplugin.proposers.choice import SUFFIX, ChoicePolicy, DrafterChoice
+    from vllm_specplugin.proposers.suffix import SuffixDrafter, SuffixSettings
+
+    target, _, _ = pair
+    head, fresh = _proposer(pair), _proposer(pair)
+    # Model drafts priced out (accepted 0 of them): the suffix chain where the context repeats, else nothing.
+    policy = ChoicePolicy(model_prior=0.0, suffix_prior=1.0, draft_cost=0.0, verify_cost=0.0, measure_costs=False)
+    choice = DrafterChoice(head, SuffixDrafter(head.vocab_size, SuffixSettings(corpus_requests=0)), policy)
+    seq = torch.randint(0, target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))[0].tolist()
+    seq = seq + seq[:8] + [3, 1, 4]  # the second copy of the prefix: the suffix continues it
+    f, _ = H.target_hidden_and_logp(target, torch.tensor([seq]))
+    f = f[0]
+    greedy = SamplingParams(0.0)
+    chosen = []
+    for end, start in ((12, 0), (15, 11), (18, 14), (20, 17), (23, 19)):  # prefill, then verified steps
+        draft, = choice.propose([_request("r", seq[:end], 3, greedy, f[start:end - 1], start)])
+        chosen.append(choice.last_choices["r"].drafter)
+    assert SUFFIX in chosen and "model" not in chosen
+    assert head._caches["r"].positions == list(range(22))
+    t1 = SamplingParams(1.0)
+    mine, = head.propose([_request("r", seq, 3, t1, f[22:22], 22, torch.Generator().manual_seed(5))])
+    want, = fresh.propose([_request("r", seq, 3, t1, f[:22], 0, torch.Generator().manual_seed(5))])
+    assert mine.token_ids == want.token_ids
+    torch.testing.assert_close(mine.probs, want.probs)

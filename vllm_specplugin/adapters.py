@@ -141,7 +141,14 @@ class MultiDraftProposer(CustomClassAdapter):
             if self.config.tree_drafting is not None:
                 proposer = _tree_proposer(self.head, self.config)
             runtimes, names, weights = [], [self.head.name], [1.0]
-            self.gamma_policy, choice, metrics = None, None, proposer.metrics
+            self.gamma_policy, metrics = None, proposer.metrics
+            choice = self.config.drafter_choice()
+            if choice is not None:  # the head's chain, the suffix chain or nothing, per request and step
+                from vllm_specplugin.proposers.choice import DrafterChoice
+                from vllm_specplugin.proposers.suffix import SuffixDrafter
+
+                suffix_settings, choice_policy = choice
+                proposer = DrafterChoice(proposer, SuffixDrafter(proposer.vocab_size, suffix_settings), choice_policy)
             _check_parallelism(vllm_config, None)
         else:
             self.head = None

@@ -65,7 +65,8 @@ class SpecPluginConfig:
     # instead of draft models (proposers/eagle_head.py): chains sampled from the head's distribution
     # under each request's temperature / top-k / top-p, verified against that q (min(1, p/q); vLLM's
     # own "eagle" drafts greedily), or trees with tree_drafting (EAGLE-2's dynamic trees with shape
-    # "dynamic"). Needs the runner shim; not with drafts, adaptive_gamma or suffix_drafting.
+    # "dynamic"), or chains chosen per request and step against the suffix drafter with
+    # suffix_drafting. Needs the runner shim; not with drafts or adaptive_gamma.
     eagle_head: str | None = None
     # A local Medusa heads checkpoint (the directory vLLM's method "medusa" loads) to draft with
     # (proposers/medusa_heads.py): token j from head j's distribution under the request's sampling,
@@ -284,10 +285,11 @@ def _head_checkpoint(raw: Mapping, key: str) -> str:
     for other in ("eagle_head", "medusa_heads"):
         if other != key and raw.get(other) is not None:
             raise SpecPluginConfigError(key, f"does not combine with {other} (one heads drafter)")
-    for other in ("adaptive_gamma", "suffix_drafting", "draft_weights"):
+    for other in ("adaptive_gamma", "draft_weights"):
         if raw.get(other) is not None:
             raise SpecPluginConfigError(key, f"does not combine with {other} yet (the heads draft chains or "
-                                        "trees: tree_drafting)")
+                                        "trees: tree_drafting; or chains chosen against the suffix drafter: "
+                                        "suffix_drafting)")
     if raw.get("runner_shim") is False:
         raise SpecPluginConfigError(key, "needs the runner shim (it hands the heads the target's hidden states)")
     return value

@@ -46,10 +46,25 @@ def draft_tokens(method: str, heads: str) -> int:
     return config["num_heads"] if method == "medusa" else 3
 
 
+def assert_target_argmax(prompts: list[list[int]], outputs) -> None:
+    """Every emitted token of each prompt's output (one sample each) is the target's argmax
+    (transformers, float32), within TIE_GAP for near-ties."""
+    from transformers import AutoModelForCausalLM
+    import torch
+
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    for prompt, (out,) in zip(prompts, outputs):
+        assert len(out) == NEW_TOKENS
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
+        emitted = logits.gather(-1, torch.tensor(out)[:, None])[:, 0]
+        gap = logits.max(-1).values - emitted
+        assert float(gap.max()) <= TIE_GAP, f"non-argmax token at position {int(gap.argmax())}: gap {float(gap.max())}"
+
+
 @pytest.mark.parametrize("method", sorted(HEADS))
 def test_heads_serve_and_accept(method):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    import torch
+    from transformers import AutoTokenizer
 
     heads = HEADS[method]
     k = draft_tokens(method, heads)
@@ -62,14 +77,7 @@ def test_heads_serve_and_accept(method):
         max_model_len=1024,
     )
     task = run.tasks[0]
-    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
-    for prompt, (out,) in zip(prompts, task.outputs):
-        assert len(out) == NEW_TOKENS
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1:]
-        emitted = logits.gather(-1, torch.tensor(out)[:, None])[:, 0]
-        gap = logits.max(-1).values - emitted
-        assert float(gap.max()) <= TIE_GAP, f"non-argmax token at position {int(gap.argmax())}: gap {float(gap.max())}"
+    assert_target_argmax(prompts, task.outputs)
     m = task.spec_decode_metrics
     drafted, accepted = m["vllm:spec_decode_num_draft_tokens"], m["vllm:spec_decode_num_accepted_tokens"]
     per_pos, steps = m["vllm:spec_decode_num_accepted_tokens_per_pos"], m["vllm:spec_decode_num_drafts"]
@@ -111,3 +119,44 @@ def test_plugin_heads_draft_what_vllm_drafts(method):
     print(f"{method}: accepted per position: {per_pos}")
     assert runs["plugin"].tasks[0].outputs == runs["vllm"].tasks[0].outputs
     assert per_pos["plugin"] == per_pos["vllm"] and sum(per_pos["vllm"]) > 0
+
+
+# Prompts whose text repeats (a list written out twice, a function called again): the suffix
+# drafter's chain continues the earlier copy, where the head drafts new text.
+REPEATING = (
+    "x = [10, 20, 30, 40, 50, 60]\ny = [10, 20, 30, 40, 50, 60]\nz = [10, 20,",
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a",
+    "import os\nimport sys\nimport os\nimport sys\nimport os\n",
+)
+
+
+def test_plugin_eagle_head_in_the_drafter_choice():
+    """``eagle_head`` with ``suffix_drafting``: per request and step the head's chain, the suffix
+    drafter's chain or nothing (proposers/choice.py), in one engine. At T = 0 every emitted token is
+    the target's argmax, and the plugin's counters show steps of both drafters verified, each
+    accepted (the head kept every verified position's state on the suffix's steps:
+    tests/test_eagle_head_proposer.py checks the drafts themselves)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS + REPEATING]
+    run = run_offline(
+        TARGET, [GenerationTask(prompts, SamplingConfig(temperature=0.0, max_tokens=NEW_TOKENS, n=1, seed=None))],
+        max_model_len=1024,
+        speculative_config={"method": "custom_class", "num_speculative_tokens": 4,
+                            "model": "vllm_specplugin.adapters.MultiDraftProposer"},
+        additional_config={"specplugin": {"eagle_head": HEADS["eagle"],
+                                          "suffix_drafting": {"model_gamma": 3, "measure_costs": False}}},
+    )
+    task = run.tasks[0]
+    assert_target_argmax(prompts, task.outputs)
+    counters = task.plugin_metrics or {}
+    spec = task.spec_decode_metrics
+    print(f"choice steps: suffix {counters.get('choice_suffix_steps')}, head {counters.get('choice_model_steps')}, "
+          f"none {counters.get('choice_none_steps')}; suffix tokens {counters.get('suffix_accepted_tokens')} / "
+          f"{counters.get('suffix_drafted_tokens')} accepted; vLLM accepted {spec['vllm:spec_decode_num_accepted_tokens']} "
+          f"/ {spec['vllm:spec_decode_num_draft_tokens']}")
+    assert counters.get("choice_model_steps", 0) > 0 and counters.get("choice_suffix_steps", 0) > 0, counters
+    assert counters.get("suffix_accepted_tokens", 0) > 0, counters
+    head_accepted = spec["vllm:spec_decode_num_accepted_tokens"] - counters["suffix_accepted_tokens"]
+    assert head_accepted > 0, (spec, counters)
