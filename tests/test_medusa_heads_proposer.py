@@ -94,3 +94,31 @@ def test_bad_checkpoint_is_named(pair, tmp_path):
     (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
     with pytest.raises(HeadCheckpointError, match="not a Medusa checkpoint"):
         MedusaHeadsProposer(tmp_path)
+
+
+@torch.no_grad()
+def test_medusa_heads_in_the_drafter_choice_draft_from_the_newest_state(pair):
+    """suffix_drafting with medusa_heads: after steps the suffix drafted, the first step the heads
+    are chosen drafts at once, from the newest verified state the choice hands them, what a heads
+    drafter that saw only that request drafts (red when the choice drops the request's states)."""
+    from vllm_specplugin.proposers.choice import MODEL, SUFFIX, ChoicePolicy, DrafterChoice
+    from vllm_specplugin.proposers.suffix import SuffixDrafter, SuffixSettings
+
+    target, path = pair
+    heads = MedusaHeadsProposer(path)
+    suffix_first = ChoicePolicy(model_prior=0.0, suffix_prior=1.0, draft_cost=0.0, verify_cost=0.0, measure_costs=False)
+    choice = DrafterChoice(heads, SuffixDrafter(heads.vocab_size, SuffixSettings(corpus_requests=0)), suffix_first)
+    seq = list(range(3, 15)) + list(range(3, 11)) + [20, 21]
+    f = _states(target, seq)
+    greedy = SamplingParams(0.0)
+    chosen = set()
+    for end, start in ((12, 0), (15, 11), (18, 14), (20, 17)):  # the second copy: the suffix drafts
+        choice.propose([DraftRequest("r", seq[:end], 3, greedy, hidden_states=f[start:end - 1], hidden_start=start)])
+        chosen.add(choice.last_choices["r"].drafter)
+    assert SUFFIX in chosen and MODEL not in chosen
+    choice._states["r"].model_accepted = 3.0  # the heads' measured acceptance: now the best option
+    draft, = choice.propose([DraftRequest("r", seq, 3, greedy, hidden_states=f[19:21], hidden_start=19)])
+    assert choice.last_choices["r"].drafter == MODEL and len(draft.token_ids) == 3
+    want, = MedusaHeadsProposer(path).propose([DraftRequest("r", seq, 3, greedy, hidden_states=f[20:21], hidden_start=20)])
+    assert draft.token_ids == want.token_ids
+    torch.testing.assert_close(draft.probs, want.probs)
