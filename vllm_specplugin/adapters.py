@@ -142,13 +142,8 @@ class MultiDraftProposer(CustomClassAdapter):
                 proposer = _tree_proposer(self.head, self.config)
             runtimes, names, weights = [], [self.head.name], [1.0]
             self.gamma_policy, metrics = None, proposer.metrics
-            choice = self.config.drafter_choice()
-            if choice is not None:  # the head's chain, the suffix chain or nothing, per request and step
-                from vllm_specplugin.proposers.choice import DrafterChoice
-                from vllm_specplugin.proposers.suffix import SuffixDrafter
-
-                suffix_settings, choice_policy = choice
-                proposer = DrafterChoice(proposer, SuffixDrafter(proposer.vocab_size, suffix_settings), choice_policy)
+            # The head's chain, the suffix chain or nothing, per request and step (suffix_drafting).
+            proposer, choice = _with_drafter_choice(proposer, self.config)
             _check_parallelism(vllm_config, None)
         else:
             self.head = None
@@ -217,11 +212,9 @@ class MultiDraftProposer(CustomClassAdapter):
     def _build_drafts(self, vllm_config, model_config, device):
         """The draft models and the strategies around them: (proposer, runtimes, names, weights, the
         drafter choice or None, metrics)."""
-        from vllm_specplugin.proposers.choice import DrafterChoice
         from vllm_specplugin.proposers.draft_runtime import DraftRuntime
         from vllm_specplugin.proposers.ensemble import EnsembleProposer
         from vllm_specplugin.proposers.gamma import AdaptiveGamma
-        from vllm_specplugin.proposers.suffix import SuffixDrafter
         from vllm_specplugin.draft_kernels import draft_kernels, draft_out_kernels
 
         # SPECPLUGIN_DRAFT_FAULT (robustness tests) wraps this class from above: install.install(),
@@ -255,10 +248,7 @@ class MultiDraftProposer(CustomClassAdapter):
             proposer = _tree_proposer(ensemble, self.config)
         if self.gamma_policy is not None:
             proposer = AdaptiveGamma(proposer, self.gamma_policy)
-        choice = self.config.drafter_choice()
-        if choice is not None:
-            suffix_settings, choice_policy = choice
-            proposer = DrafterChoice(proposer, SuffixDrafter(proposer.vocab_size, suffix_settings), choice_policy)
+        proposer, choice = _with_drafter_choice(proposer, self.config)
         return proposer, runtimes, ensemble.names, ensemble.weights.tolist(), choice, ensemble.metrics
 
     def load_model(self, target_model=None, *args, **kwargs) -> None:
@@ -611,6 +601,19 @@ class MultiDraftProposer(CustomClassAdapter):
 # switched off after 155 steps on average, about a second of serving.)
 MAX_CONSECUTIVE_DRAFT_FAILURES = 8
 Q_SUM_TOLERANCE = 1e-3  # |Σ q - 1| allowed in a q row handed to vLLM
+
+
+def _with_drafter_choice(proposer, config: SpecPluginConfig):
+    """``proposer`` wrapped in the drafter choice against the suffix drafter when
+    ``suffix_drafting`` is set: (proposer, (suffix settings, choice policy) or None)."""
+    choice = config.drafter_choice()
+    if choice is None:
+        return proposer, None
+    from vllm_specplugin.proposers.choice import DrafterChoice
+    from vllm_specplugin.proposers.suffix import SuffixDrafter
+
+    suffix_settings, choice_policy = choice
+    return DrafterChoice(proposer, SuffixDrafter(proposer.vocab_size, suffix_settings), choice_policy), choice
 
 
 def _tree_proposer(drafter, config):
