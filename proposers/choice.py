@@ -30,6 +30,14 @@ drafted 2.6 tokens a step on average and accepted 1.1-1.3 per step, where a fixe
 ``make bench``; ``num_speculative_tokens`` may be larger, for the suffix's long chains), and the
 choice is whether the model drafts at all.
 
+With tree drafting (``tree_drafting``, the model proposer a TreeProposer verifying whole trees)
+the model's option is its tree: priced at its node count N, ``(1 + A_m) / (1 + (c + v)·N)``, with
+A_m the request's measured accepted path per step (the longest root path the emitted tokens
+follow). Its shape stays the tree builder's (deep and narrow for a confident draft, wide for an
+uncertain one); the choice decides whether it is drafted, against the suffix chain and nothing.
+Suffix chains and model trees then share a step's batch: chains go to vLLM's chain sampler, trees
+to the plugin's tree verification.
+
 Acceptance is measured per request (accepted over tested positions, each an exponential average
 with weight ``ema_weight``; :class:`Acceptance`):
 
@@ -88,6 +96,7 @@ from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.gamma import AdaptiveGamma, StepCostModel
 from vllm_specplugin.proposers.metrics import accepted_count, matched_prefix
 from vllm_specplugin.proposers.suffix import SuffixDrafter
+from vllm_specplugin.proposers.tree import tree_accepted_path
 
 SUFFIX, MODEL, NONE = "suffix", "model", "none"
 MAX_PROBE_INTERVAL = 64  # idle steps between a request's probes of the model, at most
@@ -291,7 +300,12 @@ class _RequestState:
     model: Acceptance  # per model step: accepted drafts over steps (a chain of k is not i.i.d. tokens)
     context_length: int = -1  # the context's length when the last proposal was made
     suffix_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed, verified or not
-    model_tokens: list[int] | None = None  # the model's draft, when it was the one verified
+    model_tokens: list[int] | None = None  # the model's chain, when it was the one verified
+    # The model's tree (node tokens [N - 1], parents [N]), when it was the one verified, and
+    # whether it was drafted at the request's γ (a probe's or a shortened tree says nothing of k's).
+    model_tree: tuple[list[int], list[int]] | None = None
+    model_tree_full: bool = False
+    model_nodes: int = 0  # the node count of the model's last full tree: its drafts' price (0: γ)
     verified: str = NONE  # which drafter's proposal the target verified
     idle_steps: int = 0  # consecutive steps at "no draft"
     probe_interval: int = 0  # idle steps until the next probe (0: probe_every); doubles after each probe
@@ -361,6 +375,11 @@ class DrafterChoice(Proposer):
             self._model_population[key] = Acceptance(self.model_prior(gamma))
         return self._model_population[key]
 
+    @property
+    def inner(self) -> Proposer:
+        """The model proposer (tree_verification.tree_proposer walks ``inner`` to the TreeProposer)."""
+        return self.model
+
     def free(self, request_id: str) -> None:
         self._states.pop(request_id, None)
         self.suffix.free(request_id)
@@ -412,7 +431,10 @@ class DrafterChoice(Proposer):
             if state.model_tokens:
                 if len(state.model_tokens) == state.gamma:  # a probe's shorter draft does not say what k gives
                     self._update(state, MODEL, accepted_count(state.model_tokens, emitted), 1)
-        state.suffix_tokens, state.model_tokens, state.verified = [], None, NONE
+            if state.model_tree is not None and state.model_tree_full:
+                # A tree's accepted drafts: the longest root path the emitted tokens follow.
+                self._update(state, MODEL, len(tree_accepted_path(*state.model_tree, emitted)), 1)
+        state.suffix_tokens, state.model_tokens, state.model_tree, state.verified = [], None, None, NONE
 
     # -- the choice ------------------------------------------------------------------------
 
@@ -422,8 +444,9 @@ class DrafterChoice(Proposer):
         prices = self.policy if prices is None else prices
         best = Choice(NONE, 0, 1.0)
         gamma = min(request.gamma, state.gamma)
-        # a draft must beat the best so far, and drafting nothing by min_gain
-        goodput = model_goodput(prices, state.model_accepted, gamma)
+        # a draft must beat the best so far, and drafting nothing by min_gain; a tree of N nodes
+        # costs N draft tokens' drafting and verification (its accepted path is at most its depth)
+        goodput = model_goodput(prices, state.model_accepted, min(state.model_nodes, gamma) or gamma)
         if goodput > max(best.goodput, self.policy.min_gain):
             best = Choice(MODEL, gamma, goodput)
         if suffix_length:
@@ -524,8 +547,14 @@ class DrafterChoice(Proposer):
                 raise RuntimeError(f"the model proposer returned {len(model_drafts)} drafts for {len(to_model)} requests")
             for (i, request), draft in zip(to_model, model_drafts):
                 drafts[i] = draft
-                if draft.parents is None:  # a tree's accepted path is measured by the tree's own counters
-                    self._states[request.request_id].model_tokens = list(draft.token_ids)
+                state = self._states[request.request_id]
+                if draft.parents is None:
+                    state.model_tokens = list(draft.token_ids)
+                elif draft.token_ids:  # a submitted tree (tree_drafting with verify "tree")
+                    state.model_tree = (list(draft.token_ids), list(draft.parents))
+                    state.model_tree_full = request.gamma == state.gamma
+                    if state.model_tree_full:
+                        state.model_nodes = len(draft.token_ids)
         for i, request in enumerate(requests):
             if drafts[i] is None:
                 drafts[i] = self.empty_draft()

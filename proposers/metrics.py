@@ -62,6 +62,8 @@ class DraftMetrics:
     tree_accepted_tokens: int = 0
     tree_non_first_child_accepted: int = 0
     tree_chain_fallbacks: int = 0
+    # Tree walks that raised (the request emitted vLLM's first token only that step; logged).
+    tree_walk_failures: int = 0
     # Merged trees (proposers/merged_proposer.py): trees verified with more than one drafter's
     # proposals, and their accepted nodes by the kind of drafter whose proposal was accepted.
     tree_merged_steps: int = 0
@@ -149,6 +151,7 @@ class DraftMetrics:
             "tree_accepted_tokens": self.tree_accepted_tokens,
             "tree_non_first_child_accepted": self.tree_non_first_child_accepted,
             "tree_chain_fallbacks": self.tree_chain_fallbacks,
+            "tree_walk_failures": self.tree_walk_failures,
             "tree_merged_steps": self.tree_merged_steps,
             "tree_zero_cost_accepted": self.tree_zero_cost_accepted,
             "tree_model_accepted": self.tree_model_accepted,

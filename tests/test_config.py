@@ -149,8 +149,8 @@ MALFORMED = [
     ("suffix drafting prior above one", {"specplugin": {"suffix_drafting": {"suffix_prior": 1.5}}}, "suffix_drafting"),
     ("suffix drafting with adaptive gamma", {"specplugin": {"suffix_drafting": True, "adaptive_gamma": True}},
      "suffix_drafting"),
-    ("suffix drafting with tree drafting", {"specplugin": {"suffix_drafting": {}, "tree_drafting": True}},
-     "suffix_drafting"),
+    ("suffix drafting with the suffix merged into the tree",
+     {"specplugin": {"suffix_drafting": {}, "tree_drafting": {"verify": "tree", "merge": ["suffix"]}}}, "suffix_drafting"),
     ("draft fast path not a bool", {"specplugin": {"draft_fast_path": "yes"}}, "draft_fast_path"),
     ("draft-free sampler unknown", {"specplugin": {"draft_free_sampler": "fast"}}, "draft_free_sampler"),
     ("invalid JSON string", "{specplugin: ", "additional_config"),
@@ -226,3 +226,23 @@ def test_heads_drafters_combine_with_the_drafter_choice_only(tmp_path):
             with pytest.raises(SpecPluginConfigError) as info:
                 SpecPluginConfig.from_dict({key: str(head), **other})
             assert info.value.field == key, info.value
+
+
+def test_the_drafter_choice_combines_with_tree_drafting(tmp_path):
+    """suffix_drafting with tree_drafting (the model's tree, the suffix chain or nothing per request
+    and step) is a config, for heads drafters too, and with zero-cost drafters merged into the tree
+    other than the suffix drafter; merging the suffix drafter into the tree as well is an error."""
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    tree = {"node_budget": 8, "verify": "tree", "shape": "dynamic"}
+    for drafter in ({"drafts": [str(head)]}, {"eagle_head": str(head)}, {"medusa_heads": str(head)}):
+        config = SpecPluginConfig.from_dict({**drafter, "suffix_drafting": {}, "tree_drafting": tree})
+        assert config.drafter_choice() is not None and config.tree_verify == "tree"
+    config = SpecPluginConfig.from_dict({"drafts": [str(head)], "suffix_drafting": {},
+                                         "tree_drafting": {**tree, "merge": ["ngram"]}})
+    assert config.tree_proposer_settings()[1] == ["ngram"]
+    with pytest.raises(SpecPluginConfigError) as info:
+        SpecPluginConfig.from_dict({"drafts": [str(head)], "suffix_drafting": {},
+                                    "tree_drafting": {**tree, "merge": ["ngram", "suffix"]}})
+    assert info.value.field == "suffix_drafting" and "merge" in str(info.value)

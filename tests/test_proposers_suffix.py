@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -421,3 +422,41 @@ def test_probes_of_a_model_that_does_not_pay_back_off(runtime):
     assert probes == [4, 12, 28, 60, 124, 188], probes
     state.model_accepted = 4.0  # the model pays again: chosen, and the next wait starts at probe_every
     assert choice.choose(request, state, suffix_length=0).drafter == MODEL and state.probe_interval == 0
+
+
+def test_with_tree_drafting_the_model_option_is_its_tree_measured_by_its_accepted_path(runtime):
+    """The choice over a TreeProposer (tree_drafting with verify "tree"): the model's option is a
+    whole tree (parents handed on), priced by its node count, and its acceptance per step is the
+    tree's accepted path: here the target emits the path to the tree's last node at depth 3 and
+    then a token of its own, so the request's accepted drafts per step move from the prior
+    (E(0.6, 8) = 1.5) to 3. tree_verification finds the TreeProposer through ``inner``."""
+    from types import SimpleNamespace
+
+    from vllm_specplugin.proposers.tree import TreeProposer, tree_depths
+    from vllm_specplugin.tree_verification import tree_proposer
+
+    tree = TreeProposer(EnsembleProposer([runtime]), node_budget=8, verify="tree", shape="dynamic")
+    # Prices at which a tree of 8 at the prior pays (2.5 / 1.48; FAST's would price it out).
+    policy = dataclasses.replace(FAST, draft_cost=0.03, verify_cost=0.03)
+    choice = DrafterChoice(tree, SuffixDrafter(VOCAB, SuffixSettings(corpus_requests=0)), policy)
+    assert tree_proposer(SimpleNamespace(drafter=SimpleNamespace(proposer=choice))) is tree
+    rng = np.random.default_rng(7)
+    context = rng.permutation(np.arange(3, VOCAB))[:12].tolist()  # no repeats: nothing for the suffix
+    fresh = iter(rng.permutation(np.arange(3, VOCAB))[12:].tolist())
+    prior = choice.model_prior(8)
+    branched = 0
+    for _ in range(8):
+        (draft,) = choice.propose([DraftRequest("r", list(context), 8, SamplingParams(temperature=0.0),
+                                                tree_ok=True)])
+        assert choice.last_choices["r"].drafter == MODEL and draft.parents is not None
+        assert len(draft.parents) == len(draft.token_ids) + 1 and choice._states["r"].model_nodes == len(draft.token_ids)
+        depths = tree_depths(draft.parents)
+        branched += len(set(draft.parents[1:])) < len(draft.parents) - 1
+        node = max(n for n in range(1, len(draft.parents)) if depths[n] == min(3, max(depths)))
+        path = []
+        while node > 0:
+            path.insert(0, draft.token_ids[node - 1])
+            node = draft.parents[node]
+        context += path + [next(fresh)]
+    assert branched > 0  # some steps drafted a tree, not only chains
+    assert abs(choice._states["r"].model_accepted - 3) < 0.3 < abs(prior - 3), (choice._states["r"].model_accepted, prior)

@@ -65,7 +65,7 @@ class SpecPluginConfig:
     # instead of draft models (proposers/eagle_head.py): chains sampled from the head's distribution
     # under each request's temperature / top-k / top-p, verified against that q (min(1, p/q); vLLM's
     # own "eagle" drafts greedily), or trees with tree_drafting (EAGLE-2's dynamic trees with shape
-    # "dynamic"), or chains chosen per request and step against the suffix drafter with
+    # "dynamic"), or its chains or trees chosen per request and step against the suffix drafter with
     # suffix_drafting. Needs the runner shim; not with drafts or adaptive_gamma.
     eagle_head: str | None = None
     # A local Medusa heads checkpoint (the directory vLLM's method "medusa" loads) to draft with
@@ -138,7 +138,9 @@ class SpecPluginConfig:
     # unseeded requests are chosen at c and v measured per batch-size class while serving, so that
     # under load nothing is drafted where drafts do not pay; seeded ones always at draft_cost and
     # verify_cost), trace (null, or a file: one JSON line per step, what was measured and chosen).
-    # Not with adaptive_gamma or tree_drafting.
+    # With tree_drafting the model's option is its tree (priced by its node count, its measured
+    # accepted path per step); not with tree_drafting.merge of "suffix" (the suffix drafter would be
+    # in the tree and beside it), nor with adaptive_gamma.
     suffix_drafting: dict | None = None
     # Share draft KV across requests with a common token prefix (a radix tree of token blocks).
     prefix_sharing: bool = False
@@ -249,12 +251,17 @@ class SpecPluginConfig:
                 )
         if raw.get("suffix_drafting") is not None:
             values["suffix_drafting"] = _suffix_drafting(raw["suffix_drafting"])
-            for other in ("adaptive_gamma", "tree_drafting"):
-                if raw.get(other) is not None:
-                    # Both choose γ per request: two controllers would fight over it.
-                    raise SpecPluginConfigError(
-                        "suffix_drafting", f"does not combine with {other} (its drafter choice sets γ itself; set one of them)"
-                    )
+            if raw.get("adaptive_gamma") is not None:
+                # Both choose γ per request: two controllers would fight over it.
+                raise SpecPluginConfigError(
+                    "suffix_drafting", "does not combine with adaptive_gamma (its drafter choice sets γ itself; set one of them)"
+                )
+            if "suffix" in values.get("tree_drafting", {}).get("merge", []):
+                # The merged tree has its own rule for when the suffix alone drafts (skip_model).
+                raise SpecPluginConfigError(
+                    "suffix_drafting", 'does not combine with tree_drafting.merge ["suffix"] (the suffix drafter would '
+                    "draft inside the tree and beside it; set one of them)"
+                )
         if "prefix_block_size" in raw:
             values["prefix_block_size"] = _positive_int(raw, "prefix_block_size")
         if raw.get("acceptance") is not None:
@@ -288,7 +295,7 @@ def _head_checkpoint(raw: Mapping, key: str) -> str:
     for other in ("adaptive_gamma", "draft_weights"):
         if raw.get(other) is not None:
             raise SpecPluginConfigError(key, f"does not combine with {other} yet (the heads draft chains or "
-                                        "trees: tree_drafting; or chains chosen against the suffix drafter: "
+                                        "trees: tree_drafting; or chains or trees chosen against the suffix drafter: "
                                         "suffix_drafting)")
     if raw.get("runner_shim") is False:
         raise SpecPluginConfigError(key, "needs the runner shim (it hands the heads the target's hidden states)")

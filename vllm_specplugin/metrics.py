@@ -181,6 +181,7 @@ class SnapshotCollector:
             ("tree_accepted_tokens", "Tree nodes accepted by tree verification."),
             ("tree_non_first_child_accepted", "Accepted tree nodes that were not their parent's first child."),
             ("tree_chain_fallbacks", "Requests x steps drafted as a chain because they need a chain-only feature."),
+            ("tree_walk_failures", "Tree walks that raised: the request emitted one token that step (logged)."),
             ("tree_merged_steps", "Trees verified with several drafters' proposals merged (tree_drafting.merge)."),
             ("tree_zero_cost_accepted", "Merged-tree nodes accepted on a zero-cost drafter's (suffix, n-gram) proposal."),
             ("tree_model_accepted", "Merged-tree nodes accepted on the model drafter's proposal."),

@@ -848,6 +848,8 @@ def _verify_trees(runner, step: TreeStep, blocks: list[torch.Tensor], sampled: t
             # Keep only vLLM's first token: position 0 (after the root) is verified exactly by the
             # chain sampler too, and one emitted token needs no compaction.
             state.walk_failures += 1
+            if metrics is not None:
+                metrics.tree_walk_failures += 1
             logger.exception("specplugin: tree verification of request %s failed; emitting one token", entry.req_id)
             sampled[entry.row, 1:] = PLACEHOLDER_TOKEN_ID
             runner._specplugin_tree_paths[entry.req_id] = [0]

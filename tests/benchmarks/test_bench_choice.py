@@ -11,7 +11,8 @@ and ``model_gamma`` 4 (the suffix drafts up to 6, the model 4: its best fixed γ
 tree (``tree_drafting.merge``: suffix and n-gram chains and draft-prose's dynamic tree in one tree of
 6 nodes, verified as a tree). Both suffix drafters once
 more without their cache of past requests (vLLM: ``suffix_decoding_max_cached_requests`` 0; the
-plugin: ``corpus_requests`` 0): the rounds repeat the same requests, so at T = 0 a cache of past
+plugin: ``corpus_requests`` 0); and the choice with tree drafting (the suffix chain, draft-prose's
+dynamic tree of 6 nodes verified whole, or nothing). The rounds repeat the same requests, so at T = 0 a cache of past
 requests drafts a round's greedy outputs from the round before, which first-seen traffic does not get.
 Workloads as in the baseline (4 held-out prompts per category, 40 tokens, batch 1; ``mixed-T0`` /
 ``mixed-T1``), best of ``BENCH_ROUNDS`` (3) rounds; α by position, mean accepted length, c and r
@@ -58,6 +59,11 @@ CONFIGS = [
                   suffix_drafting={"model_gamma": 4}),
     plugin_config(f"choice: suffix (own context only) + draft-prose γ 4, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"],
                   CHOICE_GAMMA, suffix_drafting={"corpus_requests": 0, "model_gamma": 4}),
+    # The choice with tree drafting: per request and step the suffix chain, draft-prose's dynamic
+    # tree of k nodes verified whole, or nothing.
+    plugin_config(f"choice: suffix + draft-prose's tree of {CHOICE_GAMMA}, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"],
+                  CHOICE_GAMMA, suffix_drafting={},
+                  tree_drafting={"verify": "tree", "shape": "dynamic", "node_budget": CHOICE_GAMMA}),
     # Several drafters in one tree (tree_drafting.merge): the suffix and n-gram chains (each at most
     # half of k) and draft-prose's dynamic tree with the rest, verified as one tree.
     plugin_config(f"merged tree: suffix + ngram + draft-prose, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"],

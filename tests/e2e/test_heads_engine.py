@@ -130,12 +130,23 @@ REPEATING = (
 )
 
 
-def test_plugin_eagle_head_in_the_drafter_choice():
-    """``eagle_head`` with ``suffix_drafting``: per request and step the head's chain, the suffix
-    drafter's chain or nothing (proposers/choice.py), in one engine. At T = 0 every emitted token is
-    the target's argmax, and the plugin's counters show steps of both drafters verified, each
-    accepted (the head kept every verified position's state on the suffix's steps:
-    tests/test_eagle_head_proposer.py checks the drafts themselves)."""
+# The head's option in the choice: its chain (of model_gamma 3), or its EAGLE-2 dynamic tree of 4
+# nodes verified whole (tree_drafting), chains and trees then in one batch.
+CHOICE_MODEL_OPTIONS = {
+    "chain": {"suffix_drafting": {"model_gamma": 3, "measure_costs": False}},
+    "tree": {"suffix_drafting": {"measure_costs": False},
+             "tree_drafting": {"node_budget": 4, "verify": "tree", "shape": "dynamic"}},
+}
+
+
+@pytest.mark.parametrize("option", sorted(CHOICE_MODEL_OPTIONS))
+def test_plugin_eagle_head_in_the_drafter_choice(option):
+    """``eagle_head`` with ``suffix_drafting``: per request and step the head's chain (or tree, with
+    ``tree_drafting``), the suffix drafter's chain or nothing (proposers/choice.py), in one engine.
+    At T = 0 every emitted token is the target's argmax, and the plugin's counters show steps of
+    both drafters verified, each accepted, and with trees, trees verified whole (the head kept
+    every verified position's state on the suffix's steps: tests/test_eagle_head_proposer.py
+    checks the drafts themselves)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(TARGET)
@@ -145,18 +156,20 @@ def test_plugin_eagle_head_in_the_drafter_choice():
         max_model_len=1024,
         speculative_config={"method": "custom_class", "num_speculative_tokens": 4,
                             "model": "vllm_specplugin.adapters.MultiDraftProposer"},
-        additional_config={"specplugin": {"eagle_head": HEADS["eagle"],
-                                          "suffix_drafting": {"model_gamma": 3, "measure_costs": False}}},
+        additional_config={"specplugin": {"eagle_head": HEADS["eagle"], **CHOICE_MODEL_OPTIONS[option]}},
     )
     task = run.tasks[0]
     assert_target_argmax(prompts, task.outputs)
     counters = task.plugin_metrics or {}
     spec = task.spec_decode_metrics
     print(f"choice steps: suffix {counters.get('choice_suffix_steps')}, head {counters.get('choice_model_steps')}, "
-          f"none {counters.get('choice_none_steps')}; suffix tokens {counters.get('suffix_accepted_tokens')} / "
+          f"none {counters.get('choice_none_steps')}; trees verified {counters.get('tree_verify_steps')}; "
+          f"suffix tokens {counters.get('suffix_accepted_tokens')} / "
           f"{counters.get('suffix_drafted_tokens')} accepted; vLLM accepted {spec['vllm:spec_decode_num_accepted_tokens']} "
           f"/ {spec['vllm:spec_decode_num_draft_tokens']}")
     assert counters.get("choice_model_steps", 0) > 0 and counters.get("choice_suffix_steps", 0) > 0, counters
     assert counters.get("suffix_accepted_tokens", 0) > 0, counters
     head_accepted = spec["vllm:spec_decode_num_accepted_tokens"] - counters["suffix_accepted_tokens"]
     assert head_accepted > 0, (spec, counters)
+    if option == "tree":
+        assert counters.get("tree_verify_steps", 0) > 0, counters

@@ -5,7 +5,7 @@ Each test runs the real engine (one fresh process; eager but for ``COMPILED_CASE
 transformers (``verification.check``):
 
 * T > 0: N continuations of m = 3 tokens for each of 2 prompts (N = 3000 for the honest cases,
-  2000 for the faults but (h) and (i), 500, and (m) and (n), 1000; 69 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
+  2000 for the faults but (h) and (i), 500, and (m) and (n), 1000; 71 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
   and every sampled token checked for support (a token the target gives probability 0 fails).
 * T = 0: vLLM samples one continuation per prompt, so 32 random prompts of 4-48 tokens x 32
   tokens each (1024 tokens): every token must be the reference argmax (within a logit gap of
@@ -140,6 +140,10 @@ MEDUSA_TREE_TEMPERATURES = (0.0, 1.0)  # the plugin's Medusa heads drafter (medu
 BLOCK_TEMPERATURES = (0.0, 0.7, 1.0)
 # Suffix drafting with the drafter choice (proposers/suffix.py, proposers/choice.py): unseeded at T > 0
 SUFFIX_CHOICE_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
+# The choice with tree drafting (the model's option its dynamic tree verified whole): T = 0 and 0.7,
+# where suffix drafts are verified too, so that steps mix suffix chains (vLLM's chain sampler) and
+# model trees (the tree verification) in one batch.
+SUFFIX_CHOICE_TREE_TEMPERATURES = (0.0, 0.7)
 # Several drafters merged into one tree (tree_drafting.merge): T = 0, 0.7 and 1.3 over M_TOKENS, and
 # T = 1.0 (top-k 50, top-p 0.9) over M_LONG tokens (samples cross several merged tree steps).
 MERGED_TREE_TEMPERATURES = (0.0, 0.7, 1.3)
@@ -175,12 +179,13 @@ SUITE = {
     "honest_medusa_heads_tree": len(MEDUSA_TREE_TEMPERATURES),
     "honest_block_draft_model": len(BLOCK_TEMPERATURES),
     "honest_suffix_choice": len(SUFFIX_CHOICE_TEMPERATURES),
+    "honest_suffix_choice_tree": len(SUFFIX_CHOICE_TREE_TEMPERATURES),
     "honest_merged_tree": len(MERGED_TREE_TEMPERATURES) + 1,  # + the long case, in the same engine
     "fault_m_merged_residual_not_updated": 1,
     "fault_n_merged_wrong_q": 1,
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 69
+SUITE_HYPOTHESES = sum(SUITE.values())  # 71
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -1441,3 +1446,27 @@ def test_suffix_drafting_with_the_drafter_choice_is_exact(peaked_target, peaked_
         assert counters.get("choice_model_steps", 0) > 0, counters
         if case.sampling["temperature"] in SUFFIX_REQUIRED_TEMPERATURES:
             assert counters.get("choice_suffix_steps", 0) > 0 and counters.get("suffix_accepted_tokens", 0) > 0, counters
+
+
+def test_suffix_drafting_with_trees_in_the_drafter_choice_is_exact(peaked_target, peaked_draft, reference):
+    """``suffix_drafting`` with ``tree_drafting`` (verify "tree", dynamic shape) on the plugin's
+    draft: per request and step the suffix chain (one-hot q), the draft's tree of TREE_K nodes, or
+    nothing. T = 0 (every token the argmax) and T = 0.7 with top-k 50 / top-p 0.9, unseeded (the
+    suffix drafter matches earlier samples of the prompt, as in the chain case above). The counters
+    must show suffix drafts verified and accepted and trees verified in both cases."""
+    samplings = [sampling(t) if t == 0 else dataclasses.replace(sampling(t), seed=None)
+                 for t in SUFFIX_CHOICE_TREE_TEMPERATURES]
+    report = run_honest(
+        "honest_suffix_choice_tree", peaked_target, samplings, reference,
+        speculative_config=TREE_PROPOSER,
+        additional_config={"specplugin": {"drafts": [peaked_draft], "suffix_drafting": SUFFIX_CHOICE,
+                                          "tree_drafting": DYNAMIC_TREE_DRAFTING}},
+    )
+    for case in report.cases:
+        counters = case.plugin_counters or {}
+        print(f"{case.name}: suffix steps {counters.get('choice_suffix_steps')}, model steps "
+              f"{counters.get('choice_model_steps')}, none {counters.get('choice_none_steps')}, suffix tokens "
+              f"{counters.get('suffix_accepted_tokens')} / {counters.get('suffix_drafted_tokens')} accepted, "
+              f"trees verified {counters.get('tree_verify_steps')}, walk failures {counters.get('tree_walk_failures')}")
+        assert counters.get("tree_verify_steps", 0) > 0 and counters.get("tree_walk_failures") == 0, counters
+        assert counters.get("choice_suffix_steps", 0) > 0 and counters.get("suffix_accepted_tokens", 0) > 0, counters
