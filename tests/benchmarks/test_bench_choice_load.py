@@ -6,7 +6,8 @@ Served on the heterogeneous family (``models/demo-mix``), plain first: plain dec
 ``suffix`` (γ 4) when ``arctic-inference`` is importable (``make arctic``, then
 ``PYTHONPATH=runs/arctic-site``); the plugin's draft-prose chain at γ 4 and draft-code chain at γ 6
 (the best model-draft chains of the baseline); the drafter choice (suffix or draft-prose at γ 4,
-``num_speculative_tokens`` 6) as configured in ``test_bench_choice.py``; and two floors, servers that
+``num_speculative_tokens`` 6) and the choice with draft-prose's dynamic tree of 6 (verified whole) as
+configured in ``test_bench_choice.py``; and two floors, servers that
 speculate but (almost) never draft: the same choice with every option priced out, and vLLM's
 ``ngram`` asking for a 16-token match (what serving through the speculative path costs by itself);
 and plain decoding with async scheduling off, which vLLM 0.32 does for every ``custom_class`` server.
@@ -39,7 +40,8 @@ pytestmark = [pytest.mark.server]
 
 # The batch-1 benchmark's servers (plain, vLLM suffix, the two best chains, the choice), shared.
 SHARED = ("plain", "vllm suffix (γ 4)", "plugin draft-prose γ 4", "plugin draft-code γ 6",
-          f"choice: suffix + draft-prose γ 4, k {CHOICE_GAMMA}")
+          f"choice: suffix + draft-prose γ 4, k {CHOICE_GAMMA}",
+          f"choice: suffix + draft-prose's tree of {CHOICE_GAMMA}, k {CHOICE_GAMMA}")
 CONFIGS = [
     *[config for config in BATCH1_CONFIGS if config_name(config) in SHARED],
     # The floor: the same server whose choice never drafts (every option priced out, no probes),

@@ -212,6 +212,9 @@ def test_sampled_request_runs_without_walk_failures(tree_run):
     assert stats.get("tree_non_first_child_accepted", 0) > 0
 
 
+# A third engine (the chain) for a property of acceptance, not of exactness: make test-extended
+# (moved out of make test on 6 Dec to keep it under 45 minutes).
+@pytest.mark.extended
 def test_tree_accepts_more_per_step_than_the_chain(tree_run, chain_run):
     tree, chain = _accepted_per_step(tree_run), _accepted_per_step(chain_run)
     print(f"accepted tokens per verification step: tree {tree:.3f}, chain {chain:.3f} (same trees, "

@@ -5,7 +5,7 @@ Each test runs the real engine (one fresh process; eager but for ``COMPILED_CASE
 transformers (``verification.check``):
 
 * T > 0: N continuations of m = 3 tokens for each of 2 prompts (N = 3000 for the honest cases,
-  2000 for the faults but (h) and (i), 500, and (m) and (n), 1000; 71 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
+  2000 for the faults but (h) and (i), 500, and (m) and (n), 1000; 70 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
   and every sampled token checked for support (a token the target gives probability 0 fails).
 * T = 0: vLLM samples one continuation per prompt, so 32 random prompts of 4-48 tokens x 32
   tokens each (1024 tokens): every token must be the reference argmax (within a logit gap of
@@ -139,7 +139,9 @@ MEDUSA_TREE_TEMPERATURES = (0.0, 1.0)  # the plugin's Medusa heads drafter (medu
 # vLLM's draft_model with rejection_sample_method "block" (vllm_specplugin/rejection_methods.py)
 BLOCK_TEMPERATURES = (0.0, 0.7, 1.0)
 # Suffix drafting with the drafter choice (proposers/suffix.py, proposers/choice.py): unseeded at T > 0
-SUFFIX_CHOICE_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
+# (T = 1.0 left out on 6 Dec, late, to keep make test under 45 minutes: at T >= 1 the choice drafts
+# mostly with the model, so 1.3 covers what 1.0 did; the choice with trees below adds two cases.)
+SUFFIX_CHOICE_TEMPERATURES = (0.0, 0.7, 1.3)
 # The choice with tree drafting (the model's option its dynamic tree verified whole): T = 0 and 0.7,
 # where suffix drafts are verified too, so that steps mix suffix chains (vLLM's chain sampler) and
 # model trees (the tree verification) in one batch.
@@ -185,7 +187,7 @@ SUITE = {
     "fault_n_merged_wrong_q": 1,
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 71
+SUITE_HYPOTHESES = sum(SUITE.values())  # 70
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -1423,7 +1425,7 @@ SUFFIX_REQUIRED_TEMPERATURES = (0.0, 0.7)
 def test_suffix_drafting_with_the_drafter_choice_is_exact(peaked_target, peaked_draft, reference):
     """``suffix_drafting`` on the plugin's draft: per request and step the suffix drafter (one-hot q),
     the draft model at the γ the choice picks, or nothing, in one engine. T = 0 (every token the
-    argmax) and T = 0.7 / 1.0 / 1.3 with top-k 50 / top-p 0.9. The T > 0 requests are unseeded, so
+    argmax) and T = 0.7 / 1.3 with top-k 50 / top-p 0.9. The T > 0 requests are unseeded, so
     the suffix drafter matches them against the shared corpus of finished requests too: each
     sample of a prompt drafts the continuations that earlier samples of the same prompt took (a
     seeded request at T > 0 is matched against its own context only, which on these random
