@@ -301,10 +301,9 @@ class _RequestState:
     context_length: int = -1  # the context's length when the last proposal was made
     suffix_tokens: list[int] = dataclasses.field(default_factory=list)  # proposed, verified or not
     model_tokens: list[int] | None = None  # the model's chain, when it was the one verified
-    # The model's tree (node tokens [N - 1], parents [N]), when it was the one verified, and
-    # whether it was drafted at the request's γ (a probe's or a shortened tree says nothing of k's).
+    # The model's tree (node tokens [N - 1], parents [N]), when it was the one verified at the
+    # request's γ (a probe's or a shortened tree says nothing of k's).
     model_tree: tuple[list[int], list[int]] | None = None
-    model_tree_full: bool = False
     model_nodes: int = 0  # the node count of the model's last full tree: its drafts' price (0: γ)
     verified: str = NONE  # which drafter's proposal the target verified
     idle_steps: int = 0  # consecutive steps at "no draft"
@@ -431,7 +430,7 @@ class DrafterChoice(Proposer):
             if state.model_tokens:
                 if len(state.model_tokens) == state.gamma:  # a probe's shorter draft does not say what k gives
                     self._update(state, MODEL, accepted_count(state.model_tokens, emitted), 1)
-            if state.model_tree is not None and state.model_tree_full:
+            if state.model_tree is not None:
                 # A tree's accepted drafts: the longest root path the emitted tokens follow.
                 self._update(state, MODEL, len(tree_accepted_path(*state.model_tree, emitted)), 1)
         state.suffix_tokens, state.model_tokens, state.model_tree, state.verified = [], None, None, NONE
@@ -550,11 +549,9 @@ class DrafterChoice(Proposer):
                 state = self._states[request.request_id]
                 if draft.parents is None:
                     state.model_tokens = list(draft.token_ids)
-                elif draft.token_ids:  # a submitted tree (tree_drafting with verify "tree")
+                elif draft.token_ids and request.gamma == state.gamma:  # a submitted tree (verify "tree")
                     state.model_tree = (list(draft.token_ids), list(draft.parents))
-                    state.model_tree_full = request.gamma == state.gamma
-                    if state.model_tree_full:
-                        state.model_nodes = len(draft.token_ids)
+                    state.model_nodes = len(draft.token_ids)
         for i, request in enumerate(requests):
             if drafts[i] is None:
                 drafts[i] = self.empty_draft()

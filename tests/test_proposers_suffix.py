@@ -453,10 +453,6 @@ def test_with_tree_drafting_the_model_option_is_its_tree_measured_by_its_accepte
         depths = tree_depths(draft.parents)
         branched += len(set(draft.parents[1:])) < len(draft.parents) - 1
         node = max(n for n in range(1, len(draft.parents)) if depths[n] == min(3, max(depths)))
-        path = []
-        while node > 0:
-            path.insert(0, draft.token_ids[node - 1])
-            node = draft.parents[node]
-        context += path + [next(fresh)]
+        context += tree.last_trees["r"].path(node) + [next(fresh)]
     assert branched > 0  # some steps drafted a tree, not only chains
     assert abs(choice._states["r"].model_accepted - 3) < 0.3 < abs(prior - 3), (choice._states["r"].model_accepted, prior)

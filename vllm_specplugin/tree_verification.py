@@ -660,7 +660,6 @@ def tree_rows(runner, req_ids: Sequence[str]) -> tuple[bool, ...]:
     for rid in req_ids:
         reason = chain_only_reason(runner.requests.get(rid))
         if reason is not None:
-            state.chain_fallbacks += 1
             metrics = getattr(getattr(runner, "drafter", None), "metrics", None)
             if metrics is not None:
                 metrics.tree_chain_fallbacks += 1
@@ -679,8 +678,6 @@ class _RunnerState:
     layout: str
     fault: str | None
     backend: TreeBackendSpec = CPU_BACKEND
-    chain_fallbacks: int = 0
-    walk_failures: int = 0
 
 
 def install() -> None:
@@ -847,7 +844,6 @@ def _verify_trees(runner, step: TreeStep, blocks: list[torch.Tensor], sampled: t
         except Exception:
             # Keep only vLLM's first token: position 0 (after the root) is verified exactly by the
             # chain sampler too, and one emitted token needs no compaction.
-            state.walk_failures += 1
             if metrics is not None:
                 metrics.tree_walk_failures += 1
             logger.exception("specplugin: tree verification of request %s failed; emitting one token", entry.req_id)
