@@ -31,7 +31,7 @@ import torch
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.metrics import accepted_count
-from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, processed_probs_rows, sample
+from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, processed_probs_rows, sample, sample_rows
 from vllm_specplugin.proposers.tree_verify import tree_children, tree_depths
 
 ROOT = 0
@@ -903,6 +903,33 @@ def tree_accepted_path(tokens: Sequence[int], parents: Sequence[int], emitted: S
     return path
 
 
+def chain_tree(tokens: Sequence[int], rows: torch.Tensor, rule: str) -> TokenTree:
+    """A chain as a :class:`TokenTree`: ``tokens`` [n] each chosen from its row of ``rows`` [n, V]
+    (the q after the tokens before it), under ``rule``."""
+    tokens = [int(t) for t in tokens]
+    parents = list(range(-1, len(tokens)))
+    node_probs = torch.cat([torch.zeros(1, rows.shape[-1], device=rows.device), rows.float()])
+    return TokenTree([-1] + tokens, parents, list(range(len(parents))), node_probs, rule=rule)
+
+
+def chain_steps(root_q: torch.Tensor, depth: int, greedy: bool,
+                generator: torch.Generator | None = None) -> Generator[list[list[int]], torch.Tensor, TokenTree]:
+    """A chain of ``depth`` tokens as a tree builder (see :func:`drive`): each token the argmax
+    (``greedy``) or one draw from q (:func:`~vllm_specplugin.proposers.sampling.sample_rows`, as
+    the ensemble's chain loop draws), asking for one path per wave; returns :func:`chain_tree`
+    with rule ``"one_hot"`` (greedy) or ``"without_replacement"`` (one drawn child per node).
+    Lets a step's expected chains share each wave's draft forward with other requests' trees."""
+    if depth < 1:
+        raise ValueError(f"a chain needs depth >= 1, got {depth}")
+    tokens, rows, q = [], [], root_q
+    while True:
+        rows.append(q)
+        tokens.append(int(q.argmax()) if greedy else int(sample_rows(q[None].float(), [generator])[0]))
+        if len(tokens) == depth:
+            return chain_tree(tokens, torch.stack(rows), "one_hot" if greedy else "without_replacement")
+        q = (yield [list(tokens)])[0]
+
+
 @dataclass(eq=False)
 class _TreeGrowth:
     """One request's tree while :meth:`TreeProposer.propose` grows the batch's trees together."""
@@ -920,6 +947,7 @@ class _TreeGrowth:
     root_q: torch.Tensor | None = None  # [V] processed
     paths: list[list[int]] | None = None  # what the builder asks for next; None once grown
     tree: TokenTree | None = None
+    chain: bool = False  # an expected chain (TreeProposer._expect_chain) grown in the waves: chain_steps
     _steps: Generator | None = None
 
     @property
@@ -1071,12 +1099,18 @@ class TreeProposer(Proposer):
         for request in requests:
             self._observe(request)
         plans = [self._plan(request) for request in requests]
-        chains = [(index, plan) for index, plan in enumerate(plans)
-                  if isinstance(plan, _TreeGrowth) and self._expect_chain(plan)]
-        if chains:
-            for (index, _), draft in zip(chains, self._draw_chains([plan for _, plan in chains])):
-                plans[index] = draft
         growing = [plan for plan in plans if isinstance(plan, _TreeGrowth)]
+        chains = [plan for plan in growing if self._expect_chain(plan)]
+        if chains and len(chains) == len(growing):
+            # Only chains: the ensemble's chain loop (its drafts stay in the draft caches, so the
+            # next step's catch-up forwards only the target's own token).
+            for plan, draft in zip(chains, self._draw_chains(chains)):
+                plans[plans.index(plan)] = draft
+            growing = []
+        for plan in chains:
+            # Beside other requests' trees: one path per wave, so the step's draft forwards are its
+            # deepest tree's or chain's, not the chains' and the trees' one after the other.
+            plan.chain = True
         if growing:
             roots = self.ensemble.root_distributions([g.request_id for g in growing], [g.context for g in growing])
             for growth, root in zip(growing, roots):
@@ -1135,26 +1169,26 @@ class TreeProposer(Proposer):
         # argmax; the T = 1 rows are what its acceptance model reads, as for the builder's trees).
         self.ensemble.draw_chains([(k, g.request, g.depth) for k, g in enumerate(growths)], drafts,
                                   row_params=[g.params for g in growths])
-        out = []
-        for growth, draft in zip(growths, drafts):
-            nodes = list(draft.token_ids)
-            if not nodes:
-                out.append(self.empty_draft())
-                continue
-            parents = list(range(-1, len(nodes)))
-            rows = torch.cat([torch.zeros(1, self.vocab_size, device=draft.probs.device), draft.probs.float()])
-            rule = "without_replacement" if growth.sampled else "one_hot"
-            tree = TokenTree([-1] + nodes, parents, list(range(len(parents))), rows, rule=rule)
-            self._pending[growth.request_id] = _Pending(len(growth.context), nodes, parents, tree)
-            self.last_trees[growth.request_id] = tree
-            self.stats.chain_steps += 1
-            self.metrics.tree_chain_steps += 1
-            self.stats.drafted_tokens += len(nodes)
-            # Drawn tokens: the rows they were drawn from (vLLM's min(1, p/q)); argmax tokens: one-hot.
-            probs = draft.probs if growth.sampled else torch.nn.functional.one_hot(
-                torch.tensor(nodes), self.vocab_size).float().to(draft.probs.device)
-            out.append(Draft(nodes, probs, parents=parents))
-        return out
+        return [self.empty_draft() if not draft.token_ids else
+                self._chain_draft(growth, chain_tree(draft.token_ids, draft.probs,
+                                                     "without_replacement" if growth.sampled else "one_hot"))
+                for growth, draft in zip(growths, drafts)]
+
+    def _chain_draft(self, growth: _TreeGrowth, tree: TokenTree) -> Draft:
+        """The draft of an expected chain (:meth:`_draw_chains` or :func:`chain_steps`), recorded as
+        the dynamic builder's drawn chains are: a chain tree for the request's measured acceptance
+        by depth, the rows handed to vLLM's chain sampler."""
+        nodes, parents = tree.tokens[1:], list(tree.parents)
+        self._pending[growth.request_id] = _Pending(len(growth.context), nodes, parents, tree)
+        self.last_trees[growth.request_id] = tree
+        self.stats.chain_steps += 1
+        self.metrics.tree_chain_steps += 1
+        self.stats.drafted_tokens += len(nodes)
+        # Drawn tokens: the rows they were drawn from (vLLM's min(1, p/q)); argmax tokens: one-hot.
+        rows = tree.node_probs[1:]
+        probs = rows if growth.sampled else torch.nn.functional.one_hot(
+            torch.tensor(nodes), self.vocab_size).float().to(rows.device)
+        return Draft(nodes, probs, parents=parents)
 
     def _grow(self, growing: list[_TreeGrowth]) -> None:
         """Run every request's tree builder to its tree, answering all the paths they ask for at
@@ -1198,6 +1232,8 @@ class TreeProposer(Proposer):
     def _steps(self, growth: _TreeGrowth, root_q: torch.Tensor):
         """The tree builder of ``growth`` as a generator (see :func:`drive`)."""
         generator = growth.request.generator if growth.sampled else None
+        if growth.chain:
+            return chain_steps(root_q, growth.depth, growth.request.params.greedy, growth.request.generator)
         if growth.dynamic:
             return dynamic_tree_steps(root_q, growth.budget, growth.depth,
                                       children="sampled" if growth.sampled else "topk",
@@ -1209,6 +1245,8 @@ class TreeProposer(Proposer):
     def _finish(self, growth: _TreeGrowth) -> Draft:
         """The draft of a grown tree (a submitted tree, or its best path as a chain), and the
         request's pending state for scoring it at the next step."""
+        if growth.chain:
+            return self._chain_draft(growth, growth.tree)
         tree, rid, context, root_q = growth.tree, growth.request_id, growth.context, growth.root_q
         submit_tree, dynamic, depth = growth.submit_tree, growth.dynamic, growth.depth
         reach = None

@@ -431,3 +431,50 @@ def test_trees_grown_together_equal_trees_grown_alone(drafts, shape, verify):
     chains = 3 if shape == "dynamic" else 0
     assert together.stats.chain_steps == chains and together.stats.trees == 4 - chains
     assert together.metrics.propose_calls == 1
+
+
+def test_expected_chains_share_each_wave_forward_with_the_trees(drafts):
+    """A step where some requests' dynamic trees are expected to be chains and others are grown
+    by the builder drafts them together: each wave of the trees also extends the chains by one
+    token, so the step costs the longer of the two in draft forwards, not their sum. Alone, a
+    chain step is the ensemble's chain loop (one forward per token); the chain drawn in the waves
+    is the same chain (same seeded draws). Contexts short enough to need no solo prefill forward."""
+    runtime = drafts["draft-tiny"]
+    forwards = []
+    run = runtime._run
+
+    def counted(*args, **kwargs):
+        forwards[-1] += 1
+        return run(*args, **kwargs)
+
+    def step(requests):
+        proposer = TreeProposer(EnsembleProposer([runtime]), node_budget=6, verify="tree", shape="dynamic")
+        forwards.append(0)
+        drafts_out = proposer.propose(requests)
+        for request in requests:
+            runtime.free(request.request_id)
+        return proposer, drafts_out
+
+    def chain():  # drawn children without a calibration: the chain of 6
+        return DraftRequest("chain", context(12, seed=31), 6, SamplingParams(temperature=1.0),
+                            torch.Generator().manual_seed(4), tree_ok=True)
+
+    def tree():  # top-k children without a measurement: the builder's waves
+        return DraftRequest("tree", context(9, seed=32), 6, GREEDY, tree_ok=True)
+
+    runtime._run = counted
+    try:
+        alone_chain, (chain_draft,) = step([chain()])
+        alone_tree, (tree_draft,) = step([tree()])
+        together, (mixed_chain, mixed_tree) = step([chain(), tree()])
+    finally:
+        runtime._run = run
+    chain_forwards, tree_forwards, mixed_forwards = forwards
+    assert alone_chain.stats.chain_steps == 1 and alone_tree.stats.trees == 1
+    assert together.stats.chain_steps == 1 and together.stats.trees == 1
+    assert chain_forwards == 6 and tree_forwards >= 2, forwards
+    assert mixed_forwards == max(chain_forwards, tree_forwards), forwards
+    assert mixed_chain.token_ids == chain_draft.token_ids and mixed_chain.parents == chain_draft.parents
+    torch.testing.assert_close(mixed_chain.probs, chain_draft.probs, atol=1e-5, rtol=1e-4)
+    assert mixed_tree.token_ids == tree_draft.token_ids and mixed_tree.parents == tree_draft.parents
+    assert together.last_trees["chain"].rule == "without_replacement"

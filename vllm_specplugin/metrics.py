@@ -175,7 +175,7 @@ class SnapshotCollector:
             ("trees", "Token trees built (tree drafting)."),
             ("tree_expected_best", "Sum over trees of the expected accepted length of the chosen path."),
             ("tree_expected_greedy", "Sum over trees of the expected accepted length of the greedy chain."),
-            ("tree_chain_steps", "Dynamic trees expected to be the chain, drafted by the chain loop (request x step)."),
+            ("tree_chain_steps", "Dynamic trees expected to be the chain, drafted as a chain (request x step)."),
             ("tree_verify_steps", "Token trees verified as trees (request x step; tree_drafting.verify = tree)."),
             ("tree_nodes", "Draft nodes of the trees verified as trees."),
             ("tree_accepted_tokens", "Tree nodes accepted by tree verification."),
