@@ -7,7 +7,12 @@ that processed mixture is returned as q for exact verification. Weights are unif
 with ``adapt_weights`` they are the posterior of a Bayesian mixture with forgetting: each draft's
 log-weight gains the log-probability it gave to every token the target emitted at a verified
 position (the exponentially weighted forecaster for log loss, which tracks the best draft or the
-best blend). Any weights are exact: q is whatever was sampled from.
+best blend). The weights are per request: a request starts from the population's weights (every
+request's verdicts) and from its first verdict on follows its own evidence, started from the
+population's, so a code request and a prose request served together each weight the draft that
+fits their own text. A seeded request starts from the prior and learns from its own verdicts
+only (its text depends on its own history alone). Any weights are exact: q is whatever was
+sampled from.
 
 Rows draft only as far as their own γ: a row whose γ is reached (adaptive γ gives each its
 own, the draft's maximum length clips some) leaves the batched forward, so it is never
@@ -81,7 +86,8 @@ class _Pending:
 class EnsembleProposer(Proposer):
     """The mixture-of-drafts proposer; with one runtime it is the single-draft proposer.
 
-    Adaptive weights (``adapt_weights``):
+    Adaptive weights (``adapt_weights``), per request (see the module docstring; :attr:`weights`
+    are the population's, :meth:`row_weights` a request's own):
 
     - ``forgetting``: per verified token, the accumulated log-evidence shrinks by this factor,
       so the weights reflect roughly the last 1 / ``forgetting`` verified tokens (100 by
@@ -131,9 +137,12 @@ class EnsembleProposer(Proposer):
         self.metrics = DraftMetrics(self.names)
         self._pending: dict[str, _Pending] = {}
         self._last_call: tuple[float, set[str]] | None = None
-        # Seeded requests draft with the weights before any evidence: adapted weights come from
+        # Seeded requests start from the prior, not the population's weights: those come from
         # every request's outcomes, and a seeded request's text may depend only on its own history.
         self._seeded: set[str] = set()
+        # Each request's own log-evidence [D] (CPU float32), from its first verdict on: started
+        # from the population's (a seeded request's from zero), then its own verdicts only.
+        self._request_evidence: dict[str, torch.Tensor] = {}
         self._update_weights()
         self.fixed_weights = self._weights.clone()
 
@@ -144,11 +153,12 @@ class EnsembleProposer(Proposer):
     def free(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
         self._seeded.discard(request_id)
+        self._request_evidence.pop(request_id, None)
         for rt in self.runtimes:
             rt.free(request_id)  # also what set_resident_bytes counted for it
 
     def tracked_request_ids(self) -> set[str]:
-        ids = set(self._pending)
+        ids = set(self._pending) | set(self._request_evidence)
         for rt in self.runtimes:
             ids.update(rt.request_ids)
         return ids
@@ -179,12 +189,16 @@ class EnsembleProposer(Proposer):
         return self._mixture(lambda rt: rt.open_batch(list(request_ids), [list(c) for c in contexts]), request_ids)
 
     def row_weights(self, request_ids: Sequence[str]) -> torch.Tensor:
-        """The mixture weights of each row's request: [len(request_ids), D] float32 (CPU). The
-        adapted weights, but :attr:`fixed_weights` for a seeded request."""
+        """The mixture weights of each row's request: [len(request_ids), D] float32 (CPU). With
+        adaptive weights a request's own once it has a verdict; before, the population's
+        (:attr:`weights`), or :attr:`fixed_weights` for a seeded request."""
         weights = self._weights.expand(len(request_ids), -1).clone()
-        if self.adapt_weights and self._seeded:
+        if self.adapt_weights:
             for row, rid in enumerate(request_ids):
-                if rid in self._seeded:
+                evidence = self._request_evidence.get(rid)
+                if evidence is not None:
+                    weights[row] = self._posterior(evidence)
+                elif rid in self._seeded:
                     weights[row] = self.fixed_weights
         return weights
 
@@ -331,9 +345,14 @@ class EnsembleProposer(Proposer):
             self.metrics.agreement[name] += hits
             self.metrics.verified_positions[name] += verified
         if self.adapt_weights and verified and pending.scores is not None:
-            self._log_evidence = (1 - self.forgetting) ** verified * self._log_evidence + self._log_likelihood(
-                pending, emitted[:verified]
-            )
+            gained = self._log_likelihood(pending, emitted[:verified])
+            decay = (1 - self.forgetting) ** verified
+            rid = request.request_id
+            own = self._request_evidence.get(rid)
+            if own is None:
+                own = torch.zeros_like(self._log_evidence) if request.seeded else self._log_evidence
+            self._request_evidence[rid] = decay * own + gained
+            self._log_evidence = decay * self._log_evidence + gained
             self._update_weights()
 
     def _log_likelihood(self, pending: _Pending, emitted: list[int]) -> torch.Tensor:
@@ -352,12 +371,14 @@ class EnsembleProposer(Proposer):
                     total[where, d] = scores.rows[d][where, tokens].clamp_min(1e-12).log()
         return total.clamp_min(LOG_FLOOR).sum(0).cpu()
 
+    def _posterior(self, log_evidence: torch.Tensor) -> torch.Tensor:
+        """The weights after ``log_evidence`` [D]: prior x exp(evidence), floored at min_weight."""
+        posterior = self.prior * torch.softmax(log_evidence - log_evidence.max(), 0)
+        weights = (posterior / posterior.sum()).clamp_min(self.min_weight)
+        return weights / weights.sum()
+
     def _update_weights(self) -> None:
-        weights = self.prior.clone()
-        if self.adapt_weights:
-            posterior = weights * torch.softmax(self._log_evidence - self._log_evidence.max(), 0)
-            weights = (posterior / posterior.sum()).clamp_min(self.min_weight)
-        self._weights = weights / weights.sum()
+        self._weights = self._posterior(self._log_evidence) if self.adapt_weights else self.prior.clone()
         self.metrics.weights = dict(zip(self.names, self._weights.tolist()))
 
     def time_step(self, now: float, requests: Sequence[DraftRequest]) -> None:

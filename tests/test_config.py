@@ -101,6 +101,8 @@ MALFORMED = [
     ("budget bool", {"specplugin": {"draft_memory_budget_mb": True}}, "draft_memory_budget_mb"),
     ("shim flag not a bool", {"specplugin": {"runner_shim": "yes"}}, "runner_shim"),
     ("adapt flag not a bool", {"specplugin": {"adapt_draft_weights": 1}}, "adapt_draft_weights"),
+    ("adapted weights with trees (trees do not score the drafts)",
+     {"specplugin": {"tree_drafting": True, "adapt_draft_weights": True}}, "adapt_draft_weights"),
     ("adaptive gamma not an object", {"specplugin": {"adaptive_gamma": 3}}, "adaptive_gamma"),
     ("adaptive gamma unknown key", {"specplugin": {"adaptive_gamma": {"gama_max": 3}}}, "adaptive_gamma.gama_max"),
     ("adaptive gamma bad mode", {"specplugin": {"adaptive_gamma": {"mode": "fast"}}}, "adaptive_gamma"),

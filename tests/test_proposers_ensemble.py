@@ -164,6 +164,47 @@ def test_a_seeded_request_drafts_with_the_weights_before_any_evidence():
     assert not torch.allclose(moved[0].probs, alone.probs)  # the unseeded row used the adapted weights
 
 
+def test_each_request_weights_the_draft_that_fits_its_own_text():
+    """Two requests served together whose "targets" are different drafts (one emits draft-distill's
+    greedy text, the other draft-tiny's): each request's weights follow its own target's draft,
+    where one global set of weights would give both the same mixture. A seeded request's weights
+    come from its own verdicts only: the same whatever the other traffic, and not the prior."""
+    oracles = {"distill": runtime("draft-distill"), "tiny": runtime("draft-tiny")}
+    sampled = SamplingParams(temperature=1.0)
+
+    def serve(proposer, names, seeded=(), steps=6):
+        contexts = {name: context(15, seed=60 + i) for i, name in enumerate(names)}
+        for _ in range(steps):
+            requests = [DraftRequest(name, contexts[name], 3, sampled, torch.Generator().manual_seed(len(contexts[name])),
+                                     seeded=name in seeded) for name in names]
+            proposer.propose(requests)
+            for name in names:
+                truth = oracles[name.split("-")[0]].draft(f"o-{name}", contexts[name], 3, GREEDY).token_ids
+                contexts[name] = contexts[name] + truth + [5]
+        proposer.propose([DraftRequest(name, contexts[name], 3, sampled, torch.Generator().manual_seed(0),
+                                       seeded=name in seeded) for name in names])
+        return proposer.row_weights(list(names))
+
+    def ensemble():
+        return EnsembleProposer([runtime("draft-distill"), runtime("draft-tiny")], adapt_weights=True)
+
+    proposer = ensemble()
+    weights = serve(proposer, ["distill", "tiny"])
+    assert weights[0, 0] > 0.6 and weights[1, 1] > 0.6, weights  # each its own target's draft
+    population = proposer.weights
+    assert proposer.tracked_request_ids() >= {"distill", "tiny"}
+    proposer.free("distill")
+    assert "distill" not in proposer.tracked_request_ids()
+    # A seeded request: its own verdicts only, whatever is served beside it.
+    busy = ensemble()
+    serve(busy, ["distill-a", "distill-b"])  # other traffic moves the population's weights
+    beside = serve(busy, ["tiny-s", "distill-c"], seeded={"tiny-s"})[0]
+    alone = serve(ensemble(), ["tiny-s"], seeded={"tiny-s"})[0]
+    torch.testing.assert_close(beside, alone)
+    assert beside[1] > 0.6 and busy.weights[0] > 0.6, (beside, busy.weights)
+    assert not torch.allclose(population, proposer.fixed_weights)
+
+
 def test_ensemble_rejects_bad_inputs():
     with pytest.raises(ValueError, match="1 to 3"):
         EnsembleProposer([])

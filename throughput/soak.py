@@ -124,7 +124,6 @@ def plugin_options() -> dict:
         "adaptive_gamma": {"mode": "threshold"},
         "tree_drafting": {"node_budget": 8, "branching": 2},
         "prefix_sharing": True,
-        "adapt_draft_weights": True,
         "draft_memory_budget_mb": DRAFT_MEMORY_BUDGET_MB,
     }
 

@@ -249,6 +249,13 @@ class SpecPluginConfig:
                 raise SpecPluginConfigError(
                     "tree_drafting.verify", "'tree' does not combine with adaptive_gamma (set one of them)"
                 )
+            if raw.get("adapt_draft_weights") is True:
+                # Trees are scored by their accepted path, not by each draft's probability of the
+                # emitted tokens, so the weights would silently stay the configured ones.
+                raise SpecPluginConfigError(
+                    "adapt_draft_weights", "does not combine with tree_drafting (trees are drafted with the "
+                    "configured draft_weights; the weights are learned from chains only)"
+                )
         if raw.get("suffix_drafting") is not None:
             values["suffix_drafting"] = _suffix_drafting(raw["suffix_drafting"])
             if raw.get("adaptive_gamma") is not None:

@@ -52,7 +52,7 @@ def server():
         additional_config={"specplugin": {
             "drafts": [os.path.join(DEMO, "draft-distill"), os.path.join(DEMO, "draft-small")],
             "adaptive_gamma": {"mode": "threshold"}, "tree_drafting": {"node_budget": 8, "branching": 2},
-            "prefix_sharing": True, "adapt_draft_weights": True,
+            "prefix_sharing": True,
         }},
         max_model_len=MAX_MODEL_LEN,
         extra_args=["--max-num-seqs", "16", "--enforce-eager"],  # what it checks is not compiled: a start 20 s shorter

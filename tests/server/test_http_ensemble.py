@@ -21,7 +21,7 @@ ENSEMBLES = {
     "2 drafts, all strategies": (
         ["draft-distill", "draft-small"],
         {"adaptive_gamma": {"mode": "threshold"}, "tree_drafting": {"node_budget": 8, "branching": 2},
-         "prefix_sharing": True, "adapt_draft_weights": True},
+         "prefix_sharing": True},
     ),
 }
 CONCURRENT_REQUESTS = 24
