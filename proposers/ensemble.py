@@ -7,11 +7,12 @@ that processed mixture is returned as q for exact verification. Weights are unif
 with ``adapt_weights`` they are the posterior of a Bayesian mixture with forgetting: each draft's
 log-weight gains the log-probability it gave to every token the target emitted at a verified
 position (the exponentially weighted forecaster for log loss, which tracks the best draft or the
-best blend). The weights are per request: a request starts from the population's weights (every
-request's verdicts) and from its first verdict on follows its own evidence, started from the
-population's, so a code request and a prose request served together each weight the draft that
-fits their own text. A seeded request starts from the prior and learns from its own verdicts
-only (its text depends on its own history alone). Any weights are exact: q is whatever was
+best blend). The weights are per request: a request drafts with the population's weights (every
+request's verdicts) until its first verdict, then with its own posterior, whose prior is the
+population's weights at that moment and whose evidence is its own verdicts only, so a code request
+and a prose request served together each weight the draft that fits their own text within a few
+tokens. A seeded request's prior is the configured weights (its text depends on its own history
+alone). Any weights are exact: q is whatever was
 sampled from.
 
 Rows draft only as far as their own γ: a row whose γ is reached (adaptive γ gives each its
@@ -140,9 +141,11 @@ class EnsembleProposer(Proposer):
         # Seeded requests start from the prior, not the population's weights: those come from
         # every request's outcomes, and a seeded request's text may depend only on its own history.
         self._seeded: set[str] = set()
-        # Each request's own log-evidence [D] (CPU float32), from its first verdict on: started
-        # from the population's (a seeded request's from zero), then its own verdicts only.
-        self._request_evidence: dict[str, torch.Tensor] = {}
+        # Each request's own (prior weights [D], log-evidence [D]) (CPU float32), from its first
+        # verdict on: the population's weights then (a seeded request's: the configured ones) and
+        # its own verdicts only. Not the population's evidence, which is worth ~1 / forgetting
+        # tokens and would outweigh a request's own text for most of its length.
+        self._request_evidence: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._update_weights()
         self.fixed_weights = self._weights.clone()
 
@@ -195,9 +198,9 @@ class EnsembleProposer(Proposer):
         weights = self._weights.expand(len(request_ids), -1).clone()
         if self.adapt_weights:
             for row, rid in enumerate(request_ids):
-                evidence = self._request_evidence.get(rid)
-                if evidence is not None:
-                    weights[row] = self._posterior(evidence)
+                own = self._request_evidence.get(rid)
+                if own is not None:
+                    weights[row] = self._posterior(*own)
                 elif rid in self._seeded:
                     weights[row] = self.fixed_weights
         return weights
@@ -348,10 +351,9 @@ class EnsembleProposer(Proposer):
             gained = self._log_likelihood(pending, emitted[:verified])
             decay = (1 - self.forgetting) ** verified
             rid = request.request_id
-            own = self._request_evidence.get(rid)
-            if own is None:
-                own = torch.zeros_like(self._log_evidence) if request.seeded else self._log_evidence
-            self._request_evidence[rid] = decay * own + gained
+            prior, own = self._request_evidence.get(rid) or (
+                self.fixed_weights if request.seeded else self._weights, torch.zeros_like(self._log_evidence))
+            self._request_evidence[rid] = (prior, decay * own + gained)
             self._log_evidence = decay * self._log_evidence + gained
             self._update_weights()
 
@@ -371,14 +373,14 @@ class EnsembleProposer(Proposer):
                     total[where, d] = scores.rows[d][where, tokens].clamp_min(1e-12).log()
         return total.clamp_min(LOG_FLOOR).sum(0).cpu()
 
-    def _posterior(self, log_evidence: torch.Tensor) -> torch.Tensor:
+    def _posterior(self, prior: torch.Tensor, log_evidence: torch.Tensor) -> torch.Tensor:
         """The weights after ``log_evidence`` [D]: prior x exp(evidence), floored at min_weight."""
-        posterior = self.prior * torch.softmax(log_evidence - log_evidence.max(), 0)
+        posterior = prior * torch.softmax(log_evidence - log_evidence.max(), 0)
         weights = (posterior / posterior.sum()).clamp_min(self.min_weight)
         return weights / weights.sum()
 
     def _update_weights(self) -> None:
-        self._weights = self._posterior(self._log_evidence) if self.adapt_weights else self.prior.clone()
+        self._weights = self._posterior(self.prior, self._log_evidence) if self.adapt_weights else self.prior.clone()
         self.metrics.weights = dict(zip(self.names, self._weights.tolist()))
 
     def time_step(self, now: float, requests: Sequence[DraftRequest]) -> None:

@@ -20,7 +20,8 @@ best single-drafter chain at concurrency 4 and 16, at least 0.97x plain at 48 an
 schedule.
 
 Run: ``PYTHONPATH=runs/arctic-site BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_choice_load.py -s -p no:cacheprovider``
-(``BENCH_LOADS=c16,c48`` for a subset). Results: runs/bench/choice_load-*.md / .json, and
+(``BENCH_LOADS=c16,c48`` for a subset; ``BENCH_ENSEMBLE=1`` adds the code + prose ensemble with fixed
+and with per-request adaptive weights). Results: runs/bench/choice_load-*.md / .json, and
 docs/benchmarks.md ("The drafter choice under load").
 """
 
@@ -55,6 +56,15 @@ CONFIGS = [
     # plain decoding served that way is what the plugin's floor is held to.
     ServedConfig("plain, async scheduling off (as vLLM serves custom_class)", server_args=("--no-async-scheduling",)),
 ]
+# The code + prose ensemble with fixed and with per-request adaptive weights (issue 31 item 3):
+# BENCH_ENSEMBLE=1 (each request's mixture follows its own text where requests of both kinds interleave).
+ENSEMBLES = [
+    plugin_config("plugin ensemble(code+prose) γ 4", ["demo-mix/draft-code", "demo-mix/draft-prose"], 4),
+    plugin_config("plugin ensemble(code+prose) γ 4, adaptive weights per request",
+                  ["demo-mix/draft-code", "demo-mix/draft-prose"], 4, adapt_draft_weights=True),
+]
+if os.environ.get("BENCH_ENSEMBLE"):
+    CONFIGS += ENSEMBLES
 LOADS = os.environ.get("BENCH_LOADS", "c4,c16,c48,bursty").split(",")
 SETTINGS = (0, 1)
 served = served_fixture(CONFIGS, target=os.path.join(FAMILY, "target"))

@@ -370,13 +370,15 @@ def test_builtin_draft_model_is_exact_with_repair(peaked_target, peaked_draft, r
 
 @pytest.mark.parametrize("shim", [True, False], ids=["shim_on", "shim_off"])
 def test_plugin_ensemble_is_exact(peaked_target, peaked_draft, unrelated_draft, reference, shim):
-    """The plugin's two-draft ensemble. Shim on: sampled drafts verified against q (min(1, p/q));
-    shim off: greedy drafts verified as one-hot."""
+    """The plugin's two-draft ensemble. Shim on: sampled drafts verified against q (min(1, p/q)),
+    with per-request adaptive weights (each request's mixture moves with its own verdicts, so q
+    changes from step to step); shim off: greedy drafts verified as one-hot, fixed weights."""
     report = run_honest(
         f"honest_ensemble_shim_{'on' if shim else 'off'}", peaked_target,
         [sampling(t) for t in ENSEMBLE_TEMPERATURES], reference,
         speculative_config=ENSEMBLE_PROPOSER,
-        additional_config={"specplugin": {"drafts": [peaked_draft, unrelated_draft], "runner_shim": shim}},
+        additional_config={"specplugin": {"drafts": [peaked_draft, unrelated_draft], "runner_shim": shim,
+                                          "adapt_draft_weights": shim}},
     )
     assert all(c.acceptance_rate and c.acceptance_rate > 0.05 for c in report.cases)
 
