@@ -12,8 +12,7 @@ request's verdicts) until its first verdict, then with its own posterior, whose 
 population's weights at that moment and whose evidence is its own verdicts only, so a code request
 and a prose request served together each weight the draft that fits their own text within a few
 tokens. A seeded request's prior is the configured weights (its text depends on its own history
-alone). Any weights are exact: q is whatever was
-sampled from.
+alone). Any weights are exact: q is whatever was sampled from.
 
 Rows draft only as far as their own γ: a row whose γ is reached (adaptive γ gives each its
 own, the draft's maximum length clips some) leaves the batched forward, so it is never
