@@ -1136,8 +1136,9 @@ class TreeProposer(Proposer):
         draft as proxy accepts every first child), top-k children the builder; a depth
         whose confidence is not given (fitted per node) is left to the builder. The builder itself
         would still hedge with a sibling after an unlikely draw (the realised values fall below the
-        expected ones); such a step is a chain here instead, drafted by the ensemble's chain loop,
-        the same draws the chain proposer makes, at its cost: on the memory-bound pair the builder
+        expected ones); such a step is a chain here instead, drafted by the ensemble's chain loop
+        (or, beside other requests' trees, one token per wave: :func:`chain_steps`), the same draws
+        the chain proposer makes, at its cost: on the memory-bound pair the builder
         spent 45-67% more draft time than the chain loop for the same chains (batch 1 / 16, T = 1,
         tests/benchmarks/test_bench_tree_shape.py, 5 Dec). Any shape chosen without the target is
         exact, so this is a cost decision only; it depends on the request's own history alone."""
