@@ -1234,7 +1234,8 @@ class TreeProposer(Proposer):
         """The tree builder of ``growth`` as a generator (see :func:`drive`)."""
         generator = growth.request.generator if growth.sampled else None
         if growth.chain:
-            return chain_steps(root_q, growth.depth, growth.request.params.greedy, growth.request.generator)
+            # growth.sampled also decides the rows handed to vLLM (_chain_draft): one flag for both.
+            return chain_steps(root_q, growth.depth, not growth.sampled, growth.request.generator)
         if growth.dynamic:
             return dynamic_tree_steps(root_q, growth.budget, growth.depth,
                                       children="sampled" if growth.sampled else "topk",
