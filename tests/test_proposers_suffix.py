@@ -12,7 +12,7 @@ import torch
 from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 from vllm_specplugin.proposers.base import DraftRequest
 from vllm_specplugin.proposers.choice import (MODEL, NONE, SUFFIX, ChoicePolicy, DrafterChoice, Prices,
-                                              expected_accepted, model_goodput)
+                                              expected_accepted, model_goodput, prior_accepted)
 from vllm_specplugin.proposers.draft_runtime import DraftRuntime
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.sampling import SamplingParams
@@ -141,7 +141,10 @@ def periodic(period: int):
 
 # The mechanics below at a fast-reacting average (the default, 0.1, is slower on purpose), at the
 # configured prices (this loop's steps take microseconds: measured, they would price any draft out).
-FAST = ChoicePolicy(ema_weight=0.3, probe_every=8, measure_costs=False)
+# The dynamics of the choice at the i.i.d. prior (model_run_prior = model_prior), under which a
+# looping context's first step goes to the suffix (at the default run prior the model's first step
+# prices above a suffix chain at suffix_prior 0.5).
+FAST = ChoicePolicy(ema_weight=0.3, probe_every=8, measure_costs=False, model_run_prior=0.6)
 
 
 def test_a_looping_target_is_drafted_by_the_suffix_at_no_draft_cost(runtime):
@@ -186,9 +189,10 @@ def test_a_seeded_requests_choices_do_not_depend_on_other_requests(runtime):
             assert choice.population_alpha[SUFFIX, True] < choice.policy.suffix_prior
         contexts = {"seeded": loop_context(3)[:10]}
         params = SamplingParams(temperature=1.0)
+        generator = torch.Generator().manual_seed(5)  # a seeded request's own, as vLLM hands it over
         seen = []
         for _ in range(6):
-            request = DraftRequest("seeded", list(contexts["seeded"]), 4, params, seeded=True)
+            request = DraftRequest("seeded", list(contexts["seeded"]), 4, params, generator, seeded=True)
             (draft,) = choice.propose([request])
             # The whole choice (its goodput too: what decides it), not only its outcome here.
             seen.append((choice.last_choices["seeded"], tuple(draft.token_ids)))
@@ -203,7 +207,7 @@ def test_the_choice_maximises_the_goodput_formula(runtime):
     choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), policy)
     request = DraftRequest("r", [1, 2, 3], 6)
     state = choice._state(request)
-    assert state.model_accepted == pytest.approx(expected_accepted(policy.model_prior, 6))  # the prior at k
+    assert state.model_accepted == pytest.approx(prior_accepted(policy.model_prior, policy.model_run_prior, 6))  # at k
     state.model_accepted, state.suffix_alpha = 4.0, 0.5
     picked = choice.choose(request, state, suffix_length=2)
     model = (1 + 4.0) / (1 + 0.25 * 6)  # the model drafts k = 6
@@ -213,6 +217,30 @@ def test_the_choice_maximises_the_goodput_formula(runtime):
     assert choice.choose(request, state, suffix_length=6).drafter == SUFFIX
     state.model_accepted, state.suffix_alpha = 0.3, 0.02  # below v: even a free draft does not pay its verification
     assert choice.choose(request, state, suffix_length=1).drafter == NONE
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_new_request_drafts_long_model_drafts_at_the_default_priors(runtime, seeded, caplog):
+    """Drafts accept in runs: at the default costs an i.i.d. prior of 0.6 priced a model draft of
+    8 at 0.98x drafting nothing (and 12 at 0.76x), so with num_speculative_tokens 8 or a tree of
+    12 the model never drafted and never got measured (served 7 Dec: a tree of 12 in the choice
+    drafted nothing in 3 rounds). The run prior drafts them; where even it is priced out (k 24
+    here), a warning says so."""
+    import logging
+
+    policy = ChoicePolicy(measure_costs=False)
+    assert prior_accepted(0.6, 0.6, 8) == pytest.approx(expected_accepted(0.6, 8))  # run = first: i.i.d.
+    for k in (4, 8, 12):
+        choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), policy)
+        request = DraftRequest("r", [1, 2, 3], k, SamplingParams(temperature=1.0), seeded=seeded)
+        picked = choice.choose(request, choice._state(request), suffix_length=0)
+        assert picked.drafter == MODEL and picked.gamma == k, (k, picked)
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), policy)
+    request = DraftRequest("r", [1, 2, 3], 24, SamplingParams(temperature=1.0), seeded=seeded)
+    with caplog.at_level(logging.WARNING, logger="vllm.specplugin.choice"):
+        picked = choice.choose(request, choice._state(request), suffix_length=0)
+    assert picked.drafter == NONE
+    assert "at γ 24 the model's prior" in caplog.text and "priced below min_gain" in caplog.text
 
 
 def test_a_draft_must_promise_min_gain_over_drafting_nothing(runtime):
@@ -288,7 +316,10 @@ def serve_timed(choice: DrafterChoice, clock: StepClock, contexts: dict[str, lis
         clock.now += base + slope * sum(len(d.token_ids) for d in drafts)
         for request, draft in zip(requests, drafts):
             context = contexts[request.request_id]
-            context.extend(draft.token_ids)  # the period-6 target accepts every suffix draft
+            for token in draft.token_ids:  # the period-6 target accepts every suffix draft (not the model's)
+                if token != context[-6]:
+                    break
+                context.append(token)
             context.append(context[-6])
     return seen
 
@@ -387,7 +418,9 @@ def test_the_trace_has_a_line_per_step_with_what_was_measured_and_chosen(runtime
 
     clock = StepClock()
     path = tmp_path / "choice.jsonl"
-    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), ChoicePolicy(trace=str(path)), clock=clock)
+    # (the i.i.d. prior: the loops' first steps go to the suffix, whose drafts the target accepts)
+    choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB),
+                           ChoicePolicy(trace=str(path), model_run_prior=0.6), clock=clock)
     serve_timed(choice, clock, {"a": loop_context(5), "b": loop_context(6)}, steps=12, base=0.010, slope=0.001)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == 12 and lines[0]["target_s"] is None and lines[0]["admitting"]

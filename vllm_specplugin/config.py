@@ -131,7 +131,8 @@ class SpecPluginConfig:
     # tokens per unit of step time from the request's measured acceptance. Keys: the matcher's
     # max_match (16), min_match (2), max_occurrences (64), min_token_prob (0.1), corpus_requests
     # (32: finished requests matched too; 0: own context only); the choice's draft_cost (c, 0.12),
-    # verify_cost (v, 0.07), ema_weight (0.1), suffix_prior (0.5), model_prior (0.6),
+    # verify_cost (v, 0.07), ema_weight (0.1), suffix_prior (0.5), model_prior (0.6: a model
+    # draft's first token), model_run_prior (0.8: its next token after an accepted one),
     # population_weight (0.05), probe_every (4), min_gain (1.1: a draft must promise this many times
     # the goodput of drafting nothing), model_gamma (null: num_speculative_tokens; the
     # draft models' γ, while the suffix drafts up to num_speculative_tokens), measure_costs (true:
@@ -361,7 +362,7 @@ def _gamma_policy(value: Any) -> dict:
 
 _SUFFIX_INT_FIELDS = ("max_match", "min_match", "max_occurrences", "corpus_requests", "probe_every", "model_gamma")
 _SUFFIX_FLOAT_FIELDS = ("min_token_prob", "draft_cost", "verify_cost", "ema_weight", "suffix_prior", "model_prior",
-                        "population_weight", "min_gain")
+                        "model_run_prior", "population_weight", "min_gain")
 _SUFFIX_BOOL_FIELDS = ("measure_costs",)
 _SUFFIX_PATH_FIELDS = ("trace",)
 

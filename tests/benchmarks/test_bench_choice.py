@@ -12,15 +12,18 @@ tree (``tree_drafting.merge``: suffix and n-gram chains and draft-prose's dynami
 6 nodes, verified as a tree). Both suffix drafters once
 more without their cache of past requests (vLLM: ``suffix_decoding_max_cached_requests`` 0; the
 plugin: ``corpus_requests`` 0); and the choice with tree drafting (the suffix chain, draft-prose's
-dynamic tree of 6 nodes verified whole, or nothing). The rounds repeat the same requests, so at T = 0 a cache of past
+dynamic tree of 6 nodes verified whole, or nothing). For the T = 1 side (``-k draft-code``): vLLM's
+``draft_model`` with draft-code (γ 6), draft-code's chains of 6 and 8 in bfloat16, its dynamic
+trees of 8 and 12 nodes in float32 and bfloat16, and the choice over its bfloat16 tree of 8 or 12.
+The rounds repeat the same requests, so at T = 0 a cache of past
 requests drafts a round's greedy outputs from the round before, which first-seen traffic does not get.
 Workloads as in the baseline (4 held-out prompts per category, 40 tokens, batch 1; ``mixed-T0`` /
 ``mixed-T1``), best of ``BENCH_ROUNDS`` (3) rounds; α by position, mean accepted length, c and r
 beside every figure (runs/bench/suffix_choice-*.md / .json).
 
 Run: ``PYTHONPATH=runs/arctic-site BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_choice.py -s -p no:cacheprovider``
-(8 servers: about 16 minutes on a quiet 2-core CPU). Results: docs/benchmarks.md ("Suffix drafting
-and the drafter choice").
+(19 servers: about 35 minutes on a quiet 2-core CPU; ``-k "not draft-code"``: 10 servers, about 16
+minutes). Results: docs/benchmarks.md ("Suffix drafting and the drafter choice", "The T = 1 side").
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import os
 
 import pytest
 
-from vllm_specplugin.throughput.bench import MODELS, ServedConfig, benchmark_workload, plugin_config, served_fixture
+from vllm_specplugin.throughput.bench import (MODELS, ServedConfig, benchmark_workload, builtin_draft_model_config,
+                                              plugin_config, served_fixture)
 from vllm_specplugin.throughput.workloads import batch1_workloads
 
 pytestmark = [pytest.mark.server]
@@ -64,6 +68,18 @@ CONFIGS = [
     plugin_config(f"choice: suffix + draft-prose's tree of {CHOICE_GAMMA}, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"],
                   CHOICE_GAMMA, suffix_drafting={},
                   tree_drafting={"verify": "tree", "shape": "dynamic", "node_budget": CHOICE_GAMMA}),
+    # The T = 1 side: draft-code (the best single drafter at T = 1), chains and dynamic trees
+    # verified whole, in float32 and in its checkpoint's bfloat16 (selected with -k "draft-code").
+    builtin_draft_model_config("demo-mix/draft-code", 6),
+    *[plugin_config(f"plugin draft-code γ {g}, bfloat16", ["demo-mix/draft-code"], g, draft_dtype="bfloat16")
+      for g in (6, 8)],
+    *[plugin_config(f"plugin draft-code's tree of {n}{dt}", ["demo-mix/draft-code"], n,
+                    tree_drafting={"verify": "tree", "shape": "dynamic", "node_budget": n},
+                    **({"draft_dtype": "bfloat16"} if dt else {}))
+      for dt in ("", ", bfloat16") for n in (8, 12)],
+    *[plugin_config(f"choice: suffix + draft-code's tree of {n}, k {n}, bfloat16", ["demo-mix/draft-code"], n,
+                    suffix_drafting={}, draft_dtype="bfloat16",
+                    tree_drafting={"verify": "tree", "shape": "dynamic", "node_budget": n}) for n in (8, 12)],
     # Several drafters in one tree (tree_drafting.merge): the suffix and n-gram chains (each at most
     # half of k) and draft-prose's dynamic tree with the rest, verified as one tree.
     plugin_config(f"merged tree: suffix + ngram + draft-prose, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"],
