@@ -80,6 +80,12 @@ CONFIGS = [
     *[plugin_config(f"choice: suffix + draft-code's tree of {n}, k {n}, bfloat16", ["demo-mix/draft-code"], n,
                     suffix_drafting={}, draft_dtype="bfloat16",
                     tree_drafting={"verify": "tree", "shape": "dynamic", "node_budget": n}) for n in (8, 12)],
+    # The same with the i.i.d. model prior of before 7 Dec (model_run_prior = model_prior), for the A/B.
+    plugin_config(f"choice: suffix + draft-prose's tree of {CHOICE_GAMMA}, k {CHOICE_GAMMA}, i.i.d. prior",
+                  ["demo-mix/draft-prose"], CHOICE_GAMMA, suffix_drafting={"model_run_prior": 0.6},
+                  tree_drafting={"verify": "tree", "shape": "dynamic", "node_budget": CHOICE_GAMMA}),
+    plugin_config(f"choice: suffix + draft-prose γ 4, k {CHOICE_GAMMA}, i.i.d. prior", ["demo-mix/draft-prose"],
+                  CHOICE_GAMMA, suffix_drafting={"model_gamma": 4, "model_run_prior": 0.6}),
     # Several drafters in one tree (tree_drafting.merge): the suffix and n-gram chains (each at most
     # half of k) and draft-prose's dynamic tree with the rest, verified as one tree.
     plugin_config(f"merged tree: suffix + ngram + draft-prose, k {CHOICE_GAMMA}", ["demo-mix/draft-prose"],
