@@ -41,7 +41,10 @@ to the plugin's tree verification.
 Acceptance is measured per request (accepted over tested positions, each an exponential average
 with weight ``ema_weight``; :class:`Acceptance`):
 
-- A_m from the model's own verified drafts (accepted drafts per step, at γ = k);
+- A_m from the model's own verified drafts (accepted drafts per step, at γ = k), starting from
+  the prior ``model_prior`` · (1 + ``model_run_prior`` + ... + ``model_run_prior``^(k-1)): the
+  first token accepted with one rate, each next one, given the one before, with a higher one
+  (:func:`prior_accepted`; an i.i.d. prior priced drafts of 8 or more out, so they never drafted);
 - α_s from the suffix chain proposed at *every* step, whether or not it was verified: a one-hot
   token x is accepted with the target's p(x), and the emitted token equals x with the same
   probability, because emitted tokens are exact samples of the target whichever draft was

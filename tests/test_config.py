@@ -76,6 +76,8 @@ def test_suffix_drafting_config():
     assert (settings.min_match, settings.corpus_requests, policy.draft_cost, policy.probe_every) == (3, 0, 0.3, 4)
     assert policy.measure_costs is True
     assert SpecPluginConfig.from_dict({"suffix_drafting": {"measure_costs": False}}).drafter_choice()[1].measure_costs is False
+    assert policy.model_run_prior == 0.8
+    assert SpecPluginConfig.from_dict({"suffix_drafting": {"model_run_prior": 0.6}}).drafter_choice()[1].model_run_prior == 0.6
 
 
 def test_json_string_is_accepted():
@@ -149,6 +151,8 @@ MALFORMED = [
     ("suffix drafting measure_costs not a bool", {"specplugin": {"suffix_drafting": {"measure_costs": 1}}},
      "suffix_drafting.measure_costs"),
     ("suffix drafting prior above one", {"specplugin": {"suffix_drafting": {"suffix_prior": 1.5}}}, "suffix_drafting"),
+    ("suffix drafting run prior above one", {"specplugin": {"suffix_drafting": {"model_run_prior": 1.2}}},
+     "suffix_drafting"),
     ("suffix drafting with adaptive gamma", {"specplugin": {"suffix_drafting": True, "adaptive_gamma": True}},
      "suffix_drafting"),
     ("suffix drafting with the suffix merged into the tree",
