@@ -44,7 +44,7 @@ with weight ``ema_weight``; :class:`Acceptance`):
 - A_m from the model's own verified drafts (accepted drafts per step, at γ = k), starting from
   the prior ``model_prior`` · (1 + ``model_run_prior`` + ... + ``model_run_prior``^(k-1)): the
   first token accepted with one rate, each next one, given the one before, with a higher one
-  (:func:`prior_accepted`; an i.i.d. prior priced drafts of 8 or more out, so they never drafted);
+  (:meth:`ChoicePolicy.model_prior_accepted`; an i.i.d. prior priced drafts of 8 or more out, so they never drafted);
 - α_s from the suffix chain proposed at *every* step, whether or not it was verified: a one-hot
   token x is accepted with the target's p(x), and the emitted token equals x with the same
   probability, because emitted tokens are exact samples of the target whichever draft was
@@ -99,7 +99,7 @@ from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.gamma import AdaptiveGamma, StepCostModel
 from vllm_specplugin.proposers.metrics import accepted_count, matched_prefix
 from vllm_specplugin.proposers.suffix import SuffixDrafter
-from vllm_specplugin.proposers.tree import tree_accepted_path
+from vllm_specplugin.proposers.tree import chain_expected_accepted_length, tree_accepted_path
 
 SUFFIX, MODEL, NONE = "suffix", "model", "none"
 MAX_PROBE_INTERVAL = 64  # idle steps between a request's probes of the model, at most
@@ -156,6 +156,12 @@ class ChoicePolicy:
                                              or self.model_gamma < 1):
             raise ValueError(f"model_gamma must be an integer >= 1 or null, got {self.model_gamma!r}")
 
+    def model_prior_accepted(self, gamma: int) -> float:
+        """A new request's expected accepted model drafts per step at γ: the first token accepted
+        with ``model_prior``, each next one with ``model_run_prior`` given the one before,
+        model_prior · (1 + run + ... + run^(γ-1)) (E(model_prior, γ) when the two are equal)."""
+        return chain_expected_accepted_length([self.model_prior, self.model_run_prior], gamma)
+
 
 @dataclass(frozen=True)
 class Prices:
@@ -175,17 +181,6 @@ def chain_goodput(policy: ChoicePolicy | Prices, alpha: float, length: int) -> f
 def model_goodput(policy: ChoicePolicy | Prices, accepted: float, gamma: int) -> float:
     """... of a model draft of γ tokens that accepts ``accepted`` per step: ``(1 + A) / (1 + (c + v)·γ)``."""
     return (1 + accepted) / (1 + (policy.draft_cost + policy.verify_cost) * gamma)
-
-
-def prior_accepted(first: float, run: float, length: int) -> float:
-    """A new request's expected accepted model drafts per step at γ = ``length``: the first token
-    accepted with ``first``, each next one with ``run`` given the one before:
-    first · (1 + run + ... + run^(L-1)) (E(first, L) when run = first)."""
-    total, term = 0.0, first
-    for _ in range(length):
-        total += term
-        term *= run
-    return total
 
 
 def expected_accepted(alpha: float, length: int) -> float:
@@ -385,8 +380,8 @@ class DrafterChoice(Proposer):
         return {key: acceptance.alpha for key, acceptance in self.population.items()}
 
     def model_prior(self, gamma: int) -> float:
-        """A new seeded request's accepted model drafts per step at γ (:func:`prior_accepted`)."""
-        return prior_accepted(self.policy.model_prior, self.policy.model_run_prior, gamma)
+        """A new seeded request's accepted model drafts per step at γ (:meth:`ChoicePolicy.model_prior_accepted`)."""
+        return self.policy.model_prior_accepted(gamma)
 
     def _model_population_of(self, gamma: int, sampled: bool) -> Acceptance:
         key = (gamma, sampled)

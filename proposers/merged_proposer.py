@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import torch
 
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
-from vllm_specplugin.proposers.choice import Acceptance, ChoicePolicy, chain_goodput, model_goodput, prior_accepted
+from vllm_specplugin.proposers.choice import Acceptance, ChoicePolicy, chain_goodput, model_goodput
 from vllm_specplugin.proposers.merged_tree import DrafterProposal, MergedTree, merge_proposals
 from vllm_specplugin.proposers.metrics import matched_prefix
 from vllm_specplugin.proposers.tree import tree_accepted_path
@@ -127,7 +127,7 @@ class MergedTreeProposer(Proposer):
         state = self._states.get(request.request_id)
         if state is None:
             sampled = request.params.temperature > 0
-            model_prior = prior_accepted(self.policy.model_prior, self.policy.model_run_prior, request.gamma)
+            model_prior = self.policy.model_prior_accepted(request.gamma)
             if request.seeded:  # fixed priors: nothing from other requests
                 zero_cost, model = self.policy.suffix_prior, model_prior
             else:

@@ -12,7 +12,7 @@ import torch
 from vllm_specplugin.paths import CHECKOUT_ROOT as REPO_ROOT
 from vllm_specplugin.proposers.base import DraftRequest
 from vllm_specplugin.proposers.choice import (MODEL, NONE, SUFFIX, ChoicePolicy, DrafterChoice, Prices,
-                                              expected_accepted, model_goodput, prior_accepted)
+                                              expected_accepted, model_goodput)
 from vllm_specplugin.proposers.draft_runtime import DraftRuntime
 from vllm_specplugin.proposers.ensemble import EnsembleProposer
 from vllm_specplugin.proposers.sampling import SamplingParams
@@ -207,7 +207,7 @@ def test_the_choice_maximises_the_goodput_formula(runtime):
     choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), policy)
     request = DraftRequest("r", [1, 2, 3], 6)
     state = choice._state(request)
-    assert state.model_accepted == pytest.approx(prior_accepted(policy.model_prior, policy.model_run_prior, 6))  # at k
+    assert state.model_accepted == pytest.approx(0.6 * (1 + 0.8 + 0.8**2 + 0.8**3 + 0.8**4 + 0.8**5))  # the prior at k
     state.model_accepted, state.suffix_alpha = 4.0, 0.5
     picked = choice.choose(request, state, suffix_length=2)
     model = (1 + 4.0) / (1 + 0.25 * 6)  # the model drafts k = 6
@@ -229,7 +229,8 @@ def test_a_new_request_drafts_long_model_drafts_at_the_default_priors(runtime, s
     import logging
 
     policy = ChoicePolicy(measure_costs=False)
-    assert prior_accepted(0.6, 0.6, 8) == pytest.approx(expected_accepted(0.6, 8))  # run = first: i.i.d.
+    iid = ChoicePolicy(model_run_prior=0.6)  # run = first: the i.i.d. prior E(0.6, k)
+    assert iid.model_prior_accepted(8) == pytest.approx(expected_accepted(0.6, 8))
     for k in (4, 8, 12):
         choice = DrafterChoice(EnsembleProposer([runtime]), SuffixDrafter(VOCAB), policy)
         request = DraftRequest("r", [1, 2, 3], k, SamplingParams(temperature=1.0), seeded=seeded)
