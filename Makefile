@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup test test-fast test-extended demo demo-repair models heads heads-long bench bench-compare bench-history soak docs clean arctic
+.PHONY: setup test test-fast test-extended demo demo-repair models heads heads-long heads-medusa-long bench bench-compare bench-history soak docs clean arctic
 
 setup:
 	@bash ci/setup_venv.sh
@@ -66,6 +66,13 @@ heads: setup
 # card (models/demo-mb/eagle-long-curve.png). Hours on one thread; resumable (re-run to continue).
 heads-long: setup
 	@$(PY) -m vllm_specplugin.models.eagle --target models/demo-mb/target --out models/demo-mb/eagle-long --data self-corpus --self-pool 400000 --chain-steps 3 --tokens 5000000 --lr 2e-3 --save-every 20 --curve-every 150 --card models/demo-mb
+
+# The long Medusa heads for the memory-bound target (issue 33): self-distillation on corpus text and
+# the target's own T = 1 continuations of it, the learning curve in the card
+# (models/demo-mb/medusa-long-curve.png). Hours on one thread (about 1 M tokens an hour); resumable
+# (re-run to continue; --export-state writes the heads of an unfinished run).
+heads-medusa-long: setup
+	@$(PY) -m vllm_specplugin.models.heads --target models/demo-mb/target --out models/demo-mb/medusa-long --data self-corpus --self-pool 200000 --tokens 3000000 --lr 2e-3 --save-every 20 --curve-every 100 --card models/demo-mb
 
 # The key table of docs/configuration.md, generated from SpecPluginConfig (tests/test_docs.py checks it).
 docs: setup

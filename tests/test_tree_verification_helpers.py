@@ -83,6 +83,51 @@ def test_probe_refuses_a_layout_it_cannot_read():
     assert tv.probe_layout(impl, layer, cache, fault="probe_layout") is None
 
 
+@pytest.mark.parametrize("layout", tv.BLOCK_NATIVE_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tree_attention_read_from_cache_blocks_equals_each_tree_alone(layout, dtype):
+    """tree_attention_blocks (the CPU layouts read from the gathered blocks with one copy each for K
+    and V) equals tree_attention of each tree over its own prefix: trees of different sizes and prefix
+    lengths in one call (one prefix a whole number of blocks, one shorter than a block), GQA, NaN in
+    every slot past a prefix (never written: it must not leak), bf16 cache blocks."""
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, block = 4, 2, 16, 8
+    trees = [([-1, 0, 0, 1], 19), ([-1, 0, 1, 2, 2, 0, 5], 16), (list(PARENTS), 3)]  # (parents, prefix length)
+    count = max(-(-prefix // block) for _, prefix in trees)
+    width = max(len(parents) for parents, _ in trees)
+    lengths = torch.tensor([prefix for _, prefix in trees])
+    slabs = torch.full((len(trees) * count, kv_heads, 2, block * dim), float("nan"))
+    masks = torch.zeros(len(trees), width, width, dtype=torch.bool)
+    masks[:, :, 0] = True  # padding rows attend to the root
+    query = torch.randn(len(trees), width, heads, dim, generator=generator)
+    key = torch.randn(len(trees), width, kv_heads, dim, generator=generator)
+    value = torch.randn(len(trees), width, kv_heads, dim, generator=generator)
+    prefixes = []
+    for e, (parents, prefix) in enumerate(trees):
+        masks[e, :len(parents), :len(parents)] = tree_attention_mask(parents)
+        prefix_k = torch.randn(prefix, kv_heads, dim, generator=generator).to(dtype).float()
+        prefix_v = torch.randn(prefix, kv_heads, dim, generator=generator).to(dtype).float()
+        prefixes.append((prefix_k, prefix_v))
+        for position in range(prefix):
+            slab = slabs[e * count + position // block]
+            b = position % block
+            for h in range(kv_heads):
+                k_region = slab[h, 0].view(dim, block) if layout == "k_dxb" else slab[h, 0].view(block, dim).t()
+                k_region[:, b] = prefix_k[position, h]
+                slab[h, 1].view(block, dim)[b] = prefix_v[position, h]
+    blocks = slabs.view(len(trees) * count, kv_heads, block, 2 * dim).to(dtype)
+    out = tv.tree_attention_blocks(query, key, value, blocks, layout,
+                                   tv.block_attention_masks(lengths, masks, count, block, kv_heads, "cpu"), dim ** -0.5)
+    assert out.shape == query.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
+    for e, ((parents, _), (prefix_k, prefix_v)) in enumerate(zip(trees, prefixes)):
+        n = len(parents)
+        expected = tv.tree_attention(query[e, :n], key[e, :n], value[e, :n], prefix_k, prefix_v,
+                                     tree_attention_mask(parents), dim ** -0.5)
+        assert torch.allclose(out[e, :n], expected, atol=1e-5), (layout, e)
+    with pytest.raises(ValueError, match="reads layouts"):
+        tv.tree_attention_blocks(query, key, value, blocks, "amx_vnni", None, 1.0)
+
+
 def test_tree_attention_equals_causal_attention_along_each_path():
     """Row i of the tree attention = plain causal attention over [prefix, root .. node i]."""
     generator = torch.Generator().manual_seed(0)
@@ -360,8 +405,9 @@ def test_tree_rows_recomputed_from_the_paged_cache_and_compacted(isa, dtype, lay
     assert torch.equal(k[prefix], key[start]) and torch.equal(k[:prefix], prefix_k)  # root and prefix kept
 
 
+@pytest.mark.parametrize("general_path", [False, True], ids=["blocks-read-in-place", "general-gather"])
 @pytest.mark.parametrize("isa,dtype,layout", [ISA_CASES[0], ISA_CASES[1]])
-def test_trees_of_a_batch_recomputed_together_equal_each_tree_alone(isa, dtype, layout, monkeypatch):
+def test_trees_of_a_batch_recomputed_together_equal_each_tree_alone(isa, dtype, layout, general_path, monkeypatch):
     """Several tree requests of different sizes and prefix lengths, a plain decode row between
     them, attended in one padded call (and in chunks of one entry): each tree row equals
     :func:`tree_attention` of its own tree over its own prefix; the plain row is left alone; NaN
@@ -369,6 +415,8 @@ def test_trees_of_a_batch_recomputed_together_equal_each_tree_alone(isa, dtype, 
     K/V and slots are each entry's."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
+    # general_path: the gather into token order that AMX's and CUDA's layouts take, run here on the CPU's.
+    monkeypatch.setattr(tv, "BLOCK_NATIVE_OFF", general_path)
     generator = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, block = 4, 2, 32, 16
     impl, layer = _vllm_writer(dtype, block, dim, isa)

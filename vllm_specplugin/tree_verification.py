@@ -305,6 +305,74 @@ def _tree_attention_masked(query, key, value, prefix_key, prefix_value, padding,
     return out.transpose(1, 2)
 
 
+# Layouts whose K and V the tree attention reads in place, block by block (:func:`tree_attention_blocks`).
+BLOCK_NATIVE_LAYOUTS = ("k_dxb", "k_bxd")
+# Tests and A/B measurements only: True sends those layouts through the gather into token order too.
+BLOCK_NATIVE_OFF = False
+
+
+def block_attention_masks(prefix_lengths: torch.Tensor, mask: torch.Tensor, blocks: int, block: int,
+                          heads_kv: int, device) -> tuple:
+    """What :func:`tree_attention_blocks` needs besides the tensors, the same for every layer of a
+    step: :func:`tree_attention_masks`' (L, the longest prefix; the attention mask [E, 1, M, L + N]),
+    with, in place of the padding mask, the flat row indices (into [E, H_kv, blocks * B + N] key rows)
+    of the positions past each shorter entry's prefix, or None when every prefix is L long."""
+    longest, padding, full_mask = tree_attention_masks(prefix_lengths, mask, device)
+    rows = blocks * block + mask.shape[2]
+    if padding is None:
+        return longest, None, full_mask
+    past = torch.arange(longest, device=device)[None, :] >= prefix_lengths.to(device)[:, None]  # [E, L]
+    entry, position = past.nonzero(as_tuple=True)
+    heads = torch.arange(heads_kv, device=device)
+    flat = (entry[:, None] * heads_kv + heads[None, :]) * rows + position[:, None]
+    return longest, flat.reshape(-1), full_mask
+
+
+def tree_attention_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor,
+                          layout: str, masks: tuple, scale: float) -> torch.Tensor:
+    """:func:`tree_attention_batch` reading the prefixes from the gathered cache blocks with one
+    strided copy each for K and V into the attention's own layout (the general path reorders each
+    block into token order, then concatenates the tree's keys, then zeroes the padding: three
+    passes).
+
+    ``query`` [E, M, H, D]; ``key``/``value`` [E, N, H_kv, D] (every node of each tree);
+    ``blocks`` [E * nb, H_kv, B, 2D]: entry e's nb cache blocks in order; ``layout`` in
+    :data:`BLOCK_NATIVE_LAYOUTS`; ``masks`` from :func:`block_attention_masks`. Returns [E, M, H, D]
+    float32, the same as :func:`tree_attention_batch` up to float rounding."""
+    if layout not in BLOCK_NATIVE_LAYOUTS:
+        raise ValueError(f"tree_attention_blocks reads layouts {BLOCK_NATIVE_LAYOUTS}, not {layout!r}")
+    longest, past_rows, full_mask = masks
+    entries, rows, heads, dim = query.shape
+    nodes = key.shape[1]
+    heads_kv, block = blocks.shape[1], blocks.shape[2]
+    count = blocks.shape[0] // entries
+    regions = blocks.view(entries, count, heads_kv, 2, block * dim)
+    if layout == "k_dxb":  # K^T of each block: [E, nb, H_kv, D, B]
+        prefix_k = regions[:, :, :, 0].view(entries, count, heads_kv, dim, block).permute(0, 2, 1, 4, 3)
+    else:
+        prefix_k = regions[:, :, :, 0].view(entries, count, heads_kv, block, dim).transpose(1, 2)
+    prefix_v = regions[:, :, :, 1].view(entries, count, heads_kv, block, dim).transpose(1, 2)  # [E, H_kv, nb, B, D]
+    # [E, H_kv, nb * B + N, D] float32: the prefix blocks in token order (converted in the same copy),
+    # the tree's keys from position L on (over what follows the longest prefix in its blocks).
+    keys = torch.empty(entries, heads_kv, count * block + nodes, dim, dtype=torch.float32, device=query.device)
+    values = torch.empty_like(keys)
+    keys[:, :, :count * block].view(entries, heads_kv, count, block, dim).copy_(prefix_k)
+    values[:, :, :count * block].view(entries, heads_kv, count, block, dim).copy_(prefix_v)
+    keys[:, :, longest:longest + nodes].copy_(key.transpose(1, 2))
+    values[:, :, longest:longest + nodes].copy_(value.transpose(1, 2))
+    if past_rows is not None:  # past a shorter prefix: other tokens, or never written (NaN would leak)
+        keys.view(-1, dim).index_fill_(0, past_rows, 0.0)
+        values.view(-1, dim).index_fill_(0, past_rows, 0.0)
+    keys, values = keys[:, :, :longest + nodes], values[:, :, :longest + nodes]
+    group = heads // heads_kv
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float().transpose(1, 2), keys, values, attn_mask=full_mask.to(query.device), scale=scale)
+    return out.transpose(1, 2)
+
+
 def first_child_subtree(parents: Sequence[int]) -> list[int]:
     """Nodes reachable from the root through first children only (the first_child_only fault)."""
     children = tree_children(parents)
@@ -530,7 +598,7 @@ def _step_layout(step: TreeStep, attn_metadata) -> _StepLayout:
     return _StepLayout(node_rows, node_rows[real], sizes, prefix_lengths, block_rows, query_rows, query_real, mask)
 
 
-def _attention_chunks(plan: _StepLayout, attn_metadata, kv_cache: torch.Tensor, device) -> list:
+def _attention_chunks(plan: _StepLayout, attn_metadata, kv_cache: torch.Tensor, device, native: bool) -> list:
     """The step's attention calls (see :attr:`_StepLayout.chunks`): entries in chunks bounded by
     :data:`TREE_ATTENTION_CHUNK_BYTES`; none when no row is off a leading chain (every entry a
     chain: merged trees are walked by the merged rule even when chain-shaped), where the engine's
@@ -549,8 +617,9 @@ def _attention_chunks(plan: _StepLayout, attn_metadata, kv_cache: torch.Tensor, 
         table = attn_metadata.block_table[plan.block_rows[part].to(table_device), :blocks]
         real = plan.query_real[part].reshape(-1)
         real_at = real.nonzero().flatten()
-        chunks.append((part, table.reshape(-1).long().to(kv_cache.device), blocks,
-                       tree_attention_masks(lengths, plan.mask[part], device),
+        masks = (block_attention_masks(lengths, plan.mask[part], blocks, block, heads_kv, device)
+                 if native else tree_attention_masks(lengths, plan.mask[part], device))
+        chunks.append((part, table.reshape(-1).long().to(kv_cache.device), blocks, masks,
                        real_at.to(device), plan.query_rows[part].reshape(-1)[real_at].to(device)))
     return chunks
 
@@ -566,21 +635,28 @@ def _recompute_tree_rows(impl, step: TreeStep, layer, query, key, value, kv_cach
     plan = step.layout_cache
     device = query.device
     heads, heads_kv, dim = query.shape[1], key.shape[1], key.shape[2]
+    # CPU layouts are read block by block where they lie (tree_attention_blocks); the others
+    # (AMX's packed tiles, CUDA's interleaved rows) are gathered into token order first.
+    native = step.layout in BLOCK_NATIVE_LAYOUTS and not BLOCK_NATIVE_OFF
     if plan.chunks is None:
-        plan.chunks = _attention_chunks(plan, attn_metadata, kv_cache, device)
+        plan.chunks = _attention_chunks(plan, attn_metadata, kv_cache, device, native)
     # Gathers by index_select and a write by index_copy_: advanced indexing (tensor[rows]) cost
     # several times as much on CPU at these sizes. No chunk when no row is off a leading chain.
-    for part, block_ids, blocks, (longest, padding, full_mask), real_at, real_rows in plan.chunks:
+    for part, block_ids, blocks, masks, real_at, real_rows in plan.chunks:
         entries = block_ids.shape[0] // blocks
-        prefix_k, prefix_v = blocks_kv(kv_cache.index_select(0, block_ids), block_ids.shape[0] * kv_cache.shape[2], step.layout)
-        prefix_k = prefix_k.view(entries, -1, heads_kv, dim)[:, :longest]
-        prefix_v = prefix_v.view(entries, -1, heads_kv, dim)[:, :longest]
         rows, q_rows = plan.node_rows[part], plan.query_rows[part]
-        out = _tree_attention_masked(
-            query.index_select(0, q_rows.reshape(-1).to(device)).view(entries, -1, heads, dim),
-            key.index_select(0, rows.reshape(-1).to(device)).view(entries, -1, heads_kv, dim),
-            value.index_select(0, rows.reshape(-1).to(device)).view(entries, -1, heads_kv, dim),
-            prefix_k, prefix_v, padding, full_mask, impl.scale)
+        queries = query.index_select(0, q_rows.reshape(-1).to(device)).view(entries, -1, heads, dim)
+        keys = key.index_select(0, rows.reshape(-1).to(device)).view(entries, -1, heads_kv, dim)
+        values = value.index_select(0, rows.reshape(-1).to(device)).view(entries, -1, heads_kv, dim)
+        gathered = kv_cache.index_select(0, block_ids)  # [E * blocks, H_kv, B, 2D], a copy
+        if native:
+            out = tree_attention_blocks(queries, keys, values, gathered, step.layout, masks, impl.scale)
+        else:
+            longest, padding, full_mask = masks
+            prefix_k, prefix_v = blocks_kv(gathered, block_ids.shape[0] * kv_cache.shape[2], step.layout)
+            prefix_k = prefix_k.view(entries, -1, heads_kv, dim)[:, :longest]
+            prefix_v = prefix_v.view(entries, -1, heads_kv, dim)[:, :longest]
+            out = _tree_attention_masked(queries, keys, values, prefix_k, prefix_v, padding, full_mask, impl.scale)
         output.index_copy_(0, real_rows, out.reshape(-1, heads, dim).index_select(0, real_at).to(output.dtype))
     rows = plan.rows.to(device)
     keys, values = key.index_select(0, rows), value.index_select(0, rows)  # copies: saved past this layer

@@ -144,11 +144,12 @@ def test_throughput_eagle_head_plugin(benchmark, bench_results, served_eagle_hea
 # The memory-bound target's Medusa heads (models/demo-mb/medusa, 4 heads) served by vLLM's own
 # "medusa" (greedy chains of k = 2 and 4, one-hot verification) and by the plugin (medusa_heads:
 # sampled chains of 2 verified against q; Medusa trees of 6 and 10 nodes, each node's children drawn
-# without replacement from the head of its depth, verified whole), at batch 1.
+# without replacement from the head of its depth, verified whole), at batch 1. SPECPLUGIN_BENCH_MEDUSA_DIR
+# serves other heads (e.g. a long training's, models/demo-mb/medusa-long: make heads-medusa-long).
 #
 #     BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -k medusa_heads_plugin -s
 
-MEDUSA_MB = os.path.join(DEMO_MB, "medusa")
+MEDUSA_MB = os.environ.get("SPECPLUGIN_BENCH_MEDUSA_DIR", os.path.join(DEMO_MB, "medusa"))
 
 
 def vllm_medusa_config(heads_dir: str, k: int) -> ServedConfig:
