@@ -255,13 +255,19 @@ def export_state(model: nn.Module, args, key: dict, parts_name: str) -> dict:
     return stats
 
 
-def train_heads(target, stream: torch.Tensor, args, log=log) -> tuple[MedusaHeads, dict]:
-    """Resumable, seeded, token-budgeted training; returns (heads, stats)."""
+def train_heads(target, stream: torch.Tensor, args, held: torch.Tensor | None = None,
+                log=log) -> tuple[MedusaHeads, dict]:
+    """Resumable, seeded, token-budgeted training; returns (heads, stats). With ``args.curve_every``,
+    the learning curve on the target's greedy continuations of held-out prompts from ``held``."""
     d = target.config.hidden_size
     torch.manual_seed(args.seed)
     heads = MedusaHeads(d, args.num_heads, args.layers, target.lm_head.weight)
     key = {k: getattr(args, k) for k in ("num_heads", "layers", "tokens", "batch", "seq", "lr", "seed")}
     key["target"] = str(Path(args.target).resolve())
+    if getattr(args, "data", "corpus") != "corpus":  # another text, another run (corpus runs' keys unchanged)
+        key.update(data=args.data, self_pool=args.self_pool)
+    if getattr(args, "curve_every", 0) and held is None:
+        raise ValueError("--curve-every needs the held-out text (train_heads(..., held=...))")
 
     def batch_loss(x):
         h, t_logp = target_hidden_and_logp(target, x)
@@ -269,7 +275,21 @@ def train_heads(target, stream: torch.Tensor, args, log=log) -> tuple[MedusaHead
 
     if getattr(args, "export_state", False):
         return heads, export_state(heads, args, key, "final_kl_per_head")
-    return resumable_train(heads, batch_loss, stream, args, key, "train medusa heads", "final_kl_per_head", log)
+    curve = curve_fn(target, held) if getattr(args, "curve_every", 0) else None
+    return resumable_train(heads, batch_loss, stream, args, key, "train medusa heads", "final_kl_per_head", log,
+                           curve_fn=curve)
+
+
+def curve_fn(target, held: torch.Tensor, prompts: int = 8, new_tokens: int = 64):
+    """The learning curve's measurement: :func:`head_acceptance` (every head, teacher-forced) on the
+    target's greedy continuations of ``prompts`` held-out prompts (made once)."""
+    pr = M.heldout_windows(held, 48, prompts)[:, :-1].contiguous()
+    windows = greedy_windows(target, pr, new_tokens)
+
+    def measure_curve(heads: MedusaHeads) -> dict:
+        r = head_acceptance(target, heads, windows, start=pr.shape[1] - 1)
+        return {"accepted_per_step_T0": r["accepted_per_step_T0"], "T0": r["T0"], "T1": r["T1"]}
+    return measure_curve
 
 
 def save_heads(heads: MedusaHeads, out: Path, target_cfg: dict, extra: dict) -> int:
@@ -415,7 +435,7 @@ def card_markdown(card: dict, target_name: str, heads_name: str) -> list[str]:
          f"Held-out text: {m['heldout_text']['positions']} positions of {m['setup']['heldout_windows']} held-out "
          f"windows. Target's greedy text: {m['setup']['greedy_prompts']} held-out prompts of "
          f"{m['setup']['greedy_prompt_len']} tokens, {m['setup']['greedy_new_tokens']} greedy tokens each.", ""]
-    return L + acceptance_table(m, [f"head {j}" for j in range(k)])
+    return L + acceptance_table(m, [f"head {j}" for j in range(k)]) + curve_markdown(card, heads_name)
 
 
 def acceptance_table(m: dict, columns: list[str]) -> list[str]:
@@ -645,7 +665,7 @@ def main(argv=None) -> int:
         stats = old["train"]
         command = old["command"]
     else:
-        heads, stats = train_heads(target, train_stream, args)
+        heads, stats = train_heads(target, train_stream, args, held)
         if heads is None:
             log(f"stopped at step {stats['stopped_at_step']}; state in {stats['state']} (re-run to resume)")
             return 0

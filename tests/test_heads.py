@@ -114,3 +114,23 @@ def test_card_section_survives_a_card_rewrite(built):
     assert "| target greedy, chain T = 0 |" in md
     (name,) = json.loads((family / "card.json").read_text())["heads"]
     assert name.endswith("medusa")
+
+
+def test_learning_curve_is_recorded_across_a_resume(tmp_path):
+    """``--curve-every`` records the Medusa heads' learning curve (every head's teacher-forced
+    acceptance at step 0, every N steps and at the end), kept across a resume, in the card's JSON
+    and its markdown section (the option was once ignored by this trainer)."""
+    target = make_random_llama(tmp_path / "target", logit_scale=15.0, seed=0)
+    args = ["--target", str(target), "--out", str(tmp_path / "medusa"), "--data", "self", "--tokens", "1024",
+            "--batch", "4", "--seq", "32", "--num-heads", "2", "--eval-windows", "1", "--eval-prompts", "1",
+            "--eval-new-tokens", "4", "--save-every", "4", "--curve-every", "2", "--work", str(tmp_path / "w"),
+            "--card", str(tmp_path / "card")]
+    assert H.main(args + ["--stop-after", "4"]) == 0
+    assert H.main(args) == 0
+    train = json.loads((tmp_path / "medusa" / H.CARD_FILE).read_text())["train"]
+    assert train["resumed_from_step"] == 4
+    assert [c["step"] for c in train["curve"]] == [0, 2, 4, 6, 8]
+    assert all(len(c["T0"]) == 2 and len(c["T1"]) == 2 for c in train["curve"])
+    assert train["data"] == "self"  # a run on other text is another run: its own resumable state
+    card = (tmp_path / "card" / "MODEL_CARD.md").read_text()
+    assert "Learning curve" in card and (tmp_path / "card" / H.curve_png_name("medusa")).exists()
