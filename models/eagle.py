@@ -263,7 +263,8 @@ def card_markdown(card: dict, target_name: str, heads_name: str) -> list[str]:
     L = [f"## EAGLE head (`{heads_name}`)", "",
          f"Built by `{card['command']}` (`models/eagle.py`; EAGLE-1: frozen target, fc(cat(embed(x_(i+1)), "
          "f_i)) + one Llama decoder layer without input norm, the target's embedding and LM head shared; "
-         f"KL(target || head) at T = 1 + {s['reg_weight']} x smooth-L1 feature regression, on corpus text). "
+         f"KL(target || head) at T = 1 + {s['reg_weight']} x smooth-L1 feature regression, "
+         f"{H.training_text(s)}). "
          f"Served by vLLM's own method: `{{\"method\": \"eagle\", \"model\": \"{heads_name}\", "
          f"\"num_speculative_tokens\": {K}}}` with `{target_name}` as the target.", "",
          "| | value |", "|---|---|",

@@ -410,6 +410,15 @@ def measure(target, heads: nn.Module, held: torch.Tensor, windows: int, prompts:
             "measure_wall_s": round(time.time() - t, 1)}
 
 
+TRAINING_TEXTS = {"corpus": "on corpus text", "self": "on the target's own T = 1 samples",
+                  "self-corpus": "on corpus text and the target's own T = 1 continuations of it"}
+
+
+def training_text(train: dict) -> str:
+    """What a card says the heads were trained on (runs before the data was recorded: corpus text)."""
+    return TRAINING_TEXTS.get(train.get("data", "corpus"), f"on {train.get('data')}")
+
+
 def card_markdown(card: dict, target_name: str, heads_name: str) -> list[str]:
     """The "Medusa heads" section appended to a model card (a list of lines)."""
     s, m = card["train"], card["measure"]
@@ -417,8 +426,8 @@ def card_markdown(card: dict, target_name: str, heads_name: str) -> list[str]:
     L = [f"## Medusa heads (`{heads_name}`)", "",
          f"Built by `{card['command']}` (`models/heads.py`; Medusa-1: frozen target, {k} heads of "
          f"{s['layers']} residual block(s) each, the target's LM head shared and frozen; self-distilled: "
-         "KL(target || head) at T = 1 towards the target's distribution at the head's position, on corpus "
-         f"text). Served by vLLM's own method: `{{\"method\": \"medusa\", \"model\": \"{heads_name}\", "
+         "KL(target || head) at T = 1 towards the target's distribution at the head's position, "
+         f"{training_text(s)}). Served by vLLM's own method: `{{\"method\": \"medusa\", \"model\": \"{heads_name}\", "
          f"\"num_speculative_tokens\": {k}}}` with `{target_name}` as the target.", "",
          "| | value |", "|---|---|",
          f"| trainable parameters | {m['params_trainable'] / 1e6:.3f} M = {100 * m['params_fraction_of_target']:.2f} % "

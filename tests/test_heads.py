@@ -134,3 +134,4 @@ def test_learning_curve_is_recorded_across_a_resume(tmp_path):
     assert train["data"] == "self"  # a run on other text is another run: its own resumable state
     card = (tmp_path / "card" / "MODEL_CARD.md").read_text()
     assert "Learning curve" in card and (tmp_path / "card" / H.curve_png_name("medusa")).exists()
+    assert "on the target's own T = 1 samples" in card and "on corpus text" not in card

@@ -143,8 +143,9 @@ def test_throughput_eagle_head_plugin(benchmark, bench_results, served_eagle_hea
 # --- Medusa heads as the plugin's drafter (issue 33 item 2c) ---------------------------------
 # The memory-bound target's Medusa heads (models/demo-mb/medusa, 4 heads) served by vLLM's own
 # "medusa" (greedy chains of k = 2 and 4, one-hot verification) and by the plugin (medusa_heads:
-# sampled chains of 2 verified against q; Medusa trees of 6 and 10 nodes, each node's children drawn
-# without replacement from the head of its depth, verified whole), at batch 1. SPECPLUGIN_BENCH_MEDUSA_DIR
+# sampled chains of 2 verified against q; Medusa trees of 6 and 10 nodes, fixed (branching 3) and
+# dynamic, each node's children drawn without replacement from the head of its depth, verified whole),
+# at batch 1. SPECPLUGIN_BENCH_MEDUSA_DIR
 # serves other heads (e.g. a long training's, models/demo-mb/medusa-long: make heads-medusa-long).
 #
 #     BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -k medusa_heads_plugin -s
@@ -162,7 +163,8 @@ served_medusa_heads = served_fixture(
      plugin_eagle_config(MEDUSA_MB, 2, kind="medusa"),
      plugin_eagle_config(MEDUSA_MB, 6, {"shape": "fixed", "branching": 3}, kind="medusa"),
      plugin_eagle_config(MEDUSA_MB, 10, {"shape": "fixed", "branching": 3}, kind="medusa"),
-     plugin_eagle_config(MEDUSA_MB, 6, {"shape": "dynamic"}, kind="medusa")],
+     plugin_eagle_config(MEDUSA_MB, 6, {"shape": "dynamic"}, kind="medusa"),
+     plugin_eagle_config(MEDUSA_MB, 10, {"shape": "dynamic"}, kind="medusa")],
     target=os.path.join(DEMO_MB, "target"))
 
 
