@@ -50,7 +50,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import heads as H
-from . import measure as M
 
 CHAIN = 3  # draft positions measured autoregressively (teacher-forced)
 
@@ -293,14 +292,8 @@ CURVE_STEPS = 5  # draft positions the learning curve measures (the card's table
 
 def curve_fn(target, held: torch.Tensor, prompts: int = 8, new_tokens: int = 64):
     """The learning curve's measurement: teacher-forced acceptance of ``CURVE_STEPS`` draft positions on
-    the target's greedy continuations of ``prompts`` held-out prompts (made once)."""
-    pr = M.heldout_windows(held, 48, prompts)[:, :-1].contiguous()
-    windows = H.greedy_windows(target, pr, new_tokens)
-
-    def measure_curve(head: EagleHead) -> dict:
-        r = eagle_acceptance(target, head, windows, start=pr.shape[1] - 1, steps=CURVE_STEPS)
-        return {"accepted_per_step_T0": r["accepted_per_step_T0"], "T0": r["T0"], "T1": r["T1"]}
-    return measure_curve
+    the target's greedy continuations of ``prompts`` held-out prompts (:func:`heads.curve_fn`)."""
+    return H.curve_fn(target, held, eagle_acceptance, prompts, new_tokens, steps=CURVE_STEPS)
 
 
 def main(argv=None) -> int:

@@ -280,14 +280,17 @@ def train_heads(target, stream: torch.Tensor, args, held: torch.Tensor | None = 
                            curve_fn=curve)
 
 
-def curve_fn(target, held: torch.Tensor, prompts: int = 8, new_tokens: int = 64):
-    """The learning curve's measurement: :func:`head_acceptance` (every head, teacher-forced) on the
-    target's greedy continuations of ``prompts`` held-out prompts (made once)."""
+def curve_fn(target, held: torch.Tensor, acceptance=None, prompts: int = 8, new_tokens: int = 64, **options):
+    """The learning curve's measurement (:func:`resumable_train`'s ``curve_fn``): ``acceptance(target,
+    model, windows, start=..., **options)`` (default :func:`head_acceptance`, every Medusa head;
+    ``models/eagle.py`` passes its own), teacher-forced on the target's greedy continuations of
+    ``prompts`` held-out prompts (made once)."""
+    acceptance = acceptance or head_acceptance
     pr = M.heldout_windows(held, 48, prompts)[:, :-1].contiguous()
     windows = greedy_windows(target, pr, new_tokens)
 
-    def measure_curve(heads: MedusaHeads) -> dict:
-        r = head_acceptance(target, heads, windows, start=pr.shape[1] - 1)
+    def measure_curve(model: nn.Module) -> dict:
+        r = acceptance(target, model, windows, start=pr.shape[1] - 1, **options)
         return {"accepted_per_step_T0": r["accepted_per_step_T0"], "T0": r["T0"], "T1": r["T1"]}
     return measure_curve
 
