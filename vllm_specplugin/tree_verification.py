@@ -288,20 +288,24 @@ def tree_attention_masks(prefix_lengths: torch.Tensor, mask: torch.Tensor, devic
 def _tree_attention_masked(query, key, value, prefix_key, prefix_value, padding, full_mask, scale) -> torch.Tensor:
     """:func:`tree_attention_batch` with the prefixes cut to L and the masks of
     :func:`tree_attention_masks`."""
-    heads = query.shape[2]
     prefix_key, prefix_value = prefix_key.float(), prefix_value.float()
     if padding is not None:  # padding rows (entries of different lengths): zero them, NaN included
         prefix_key, prefix_value = prefix_key.masked_fill(padding, 0), prefix_value.masked_fill(padding, 0)
     keys = torch.cat([prefix_key, key.float()], dim=1)  # [E, L + N, H_kv, D]
     values = torch.cat([prefix_value, value.float()], dim=1)
-    group = heads // keys.shape[2]
+    return _attend(query, keys.transpose(1, 2), values.transpose(1, 2), full_mask, scale)
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, full_mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """The tree rows' attention call: ``query`` [E, M, H, D]; ``keys``/``values`` [E, H_kv, L + N, D]
+    float32 (KV heads repeated for GQA here); ``full_mask`` [E, 1, M, L + N]. Returns [E, M, H, D]."""
+    group = query.shape[2] // keys.shape[1]
     if group > 1:
-        keys = keys.repeat_interleave(group, dim=2)
-        values = values.repeat_interleave(group, dim=2)
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query.float().transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=full_mask.to(query.device), scale=scale,
-    )
+        query.float().transpose(1, 2), keys, values, attn_mask=full_mask.to(query.device), scale=scale)
     return out.transpose(1, 2)
 
 
@@ -321,8 +325,7 @@ def block_attention_masks(prefix_lengths: torch.Tensor, mask: torch.Tensor, bloc
     rows = blocks * block + mask.shape[2]
     if padding is None:
         return longest, None, full_mask
-    past = torch.arange(longest, device=device)[None, :] >= prefix_lengths.to(device)[:, None]  # [E, L]
-    entry, position = past.nonzero(as_tuple=True)
+    entry, position = padding[:, :, 0, 0].nonzero(as_tuple=True)  # past each entry's prefix
     heads = torch.arange(heads_kv, device=device)
     flat = (entry[:, None] * heads_kv + heads[None, :]) * rows + position[:, None]
     return longest, flat.reshape(-1), full_mask
@@ -342,7 +345,7 @@ def tree_attention_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if layout not in BLOCK_NATIVE_LAYOUTS:
         raise ValueError(f"tree_attention_blocks reads layouts {BLOCK_NATIVE_LAYOUTS}, not {layout!r}")
     longest, past_rows, full_mask = masks
-    entries, rows, heads, dim = query.shape
+    entries, dim = query.shape[0], query.shape[3]
     nodes = key.shape[1]
     heads_kv, block = blocks.shape[1], blocks.shape[2]
     count = blocks.shape[0] // entries
@@ -363,14 +366,7 @@ def tree_attention_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if past_rows is not None:  # past a shorter prefix: other tokens, or never written (NaN would leak)
         keys.view(-1, dim).index_fill_(0, past_rows, 0.0)
         values.view(-1, dim).index_fill_(0, past_rows, 0.0)
-    keys, values = keys[:, :, :longest + nodes], values[:, :, :longest + nodes]
-    group = heads // heads_kv
-    if group > 1:
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.float().transpose(1, 2), keys, values, attn_mask=full_mask.to(query.device), scale=scale)
-    return out.transpose(1, 2)
+    return _attend(query, keys[:, :, :longest + nodes], values[:, :, :longest + nodes], full_mask, scale)
 
 
 def first_child_subtree(parents: Sequence[int]) -> list[int]:

@@ -145,8 +145,8 @@ def test_throughput_eagle_head_plugin(benchmark, bench_results, served_eagle_hea
 # "medusa" (greedy chains of k = 2 and 4, one-hot verification) and by the plugin (medusa_heads:
 # sampled chains of 2 verified against q; Medusa trees of 6 and 10 nodes, fixed (branching 3) and
 # dynamic, each node's children drawn without replacement from the head of its depth, verified whole),
-# at batch 1. SPECPLUGIN_BENCH_MEDUSA_DIR
-# serves other heads (e.g. a long training's, models/demo-mb/medusa-long: make heads-medusa-long).
+# at batch 1. SPECPLUGIN_BENCH_MEDUSA_DIR serves other heads (e.g. a long training's,
+# models/demo-mb/medusa-long: make heads-medusa-long).
 #
 #     BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -k medusa_heads_plugin -s
 
