@@ -13,9 +13,13 @@ EAGLE-1 (Li et al. 2024), in the form vLLM 0.32 serves with ``method: "eagle"``
   LM head applied to g_i (shared, frozen); g_i is also the next draft step's "hidden state" input, at
   position i+1 with the drafted token.
 
-Why EAGLE-1 and not EAGLE-3: vLLM's EAGLE-3 path needs the target to expose auxiliary hidden states
-(``SupportsEagle3``) and a draft vocabulary mapping; EAGLE-1 reads the final hidden state every Llama
-target already returns, so the head is a single extra layer, trained here in minutes on one CPU thread.
+EAGLE-3 (``--method eagle3``, :class:`Eagle3Head`, served with ``method: "eagle3"``,
+``llama_eagle3.py``): the first draft step reads ``fc`` [d, 3d] of the target's residual stream after
+three layers (``--aux-layers``, default vLLM's 2, L // 2, L - 3; vLLM's Llama hands them to EAGLE-3
+proposers), the layer's attention reads cat(input_layernorm(embed), hidden_norm(h)) [2d] with h as the
+residual, and the head has its own final norm and LM head (started from the target's; the LM head is
+kept frozen here and stored in the checkpoint, draft vocabulary = the target's); no feature
+regression. Trained as served over ``--chain-steps`` draft steps (EAGLE-3's training-time test).
 
 Objective (frozen target): at every position i, KL(p_target(. | i+1) || softmax(lm_head(g_i))) at T = 1
 (self-distillation: the target's distribution, not the corpus token, is what verification compares
@@ -26,7 +30,9 @@ the Medusa trainer (models/heads.py).
 Output: ``config.json`` (the target's LlamaConfig with ``num_hidden_layers: 1``; vLLM's EAGLEConfig maps
 ``LlamaForCausalLM`` to ``EagleLlamaForCausalLM``), bf16 ``model.safetensors`` with ``fc.weight`` and
 ``layers.0.{self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}.weight`` (no
-embedding or LM head: vLLM takes the target's), and ``heads_card.json``.
+embedding or LM head: vLLM takes the target's), and ``heads_card.json``. EAGLE-3 adds
+``layers.0.{input_layernorm, hidden_norm}.weight``, ``norm.weight`` and ``lm_head.weight``, and
+``eagle_config.eagle_aux_hidden_state_layer_ids`` in the config (vLLM: ``Eagle3LlamaForCausalLM``).
 
 ``make heads`` builds both demo targets' heads (wall time, 1 thread of the shared 2-core machine, load
 4-12: 9.8 min for the 4.46 M target, 0.6 M tokens; 6.2 min for the 31.5 M one, 0.3 M tokens):
@@ -119,7 +125,7 @@ class EagleHead(nn.Module):
         vLLM's draft KV cache holds. Returns (g [B, N, d], (K, V) of this step)."""
         lay = self.layers[0]
         B, N, _ = feats.shape
-        x = self.fc(torch.cat([self.embed[tokens], feats], -1))
+        x, residual = self._layer_input(tokens, feats)
         q = lay.self_attn.q_proj(x).view(B, N, self.n_heads, self.hd).transpose(1, 2)
         k = lay.self_attn.k_proj(x).view(B, N, self.n_kv, self.hd).transpose(1, 2)
         v = lay.self_attn.v_proj(x).view(B, N, self.n_kv, self.hd).transpose(1, 2)
@@ -138,17 +144,38 @@ class EagleHead(nn.Module):
         att = p[..., :N] @ vr
         for j, vv in enumerate(ve):
             att = att + p[..., N + j:N + j + 1] * vv
-        r = x + lay.self_attn.o_proj(att.transpose(1, 2).reshape(B, N, -1))
-        n = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + self.eps) * lay.post_attention_layernorm.weight
+        r = residual + lay.self_attn.o_proj(att.transpose(1, 2).reshape(B, N, -1))
+        n = self._rms(r, lay.post_attention_layernorm.weight)
         m = lay.mlp
         g = r + m.down_proj(F.silu(m.gate_proj(n)) * m.up_proj(n))
         return g, (k, v)
 
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+
+    def _layer_input(self, tokens: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's input, the residual) of a step: EAGLE-1 fc(cat(embed, f)) for both."""
+        x = self.fc(torch.cat([self.embed[tokens], feats], -1))
+        return x, x
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """g [..., d] -> draft logits [..., V]: EAGLE-1 applies the target's LM head to g, no norm."""
+        return g @ self.lm_head.T
+
+    def first_feature(self, f: torch.Tensor) -> torch.Tensor:
+        """What the first draft step reads from the target's inputs (:meth:`target_inputs`): EAGLE-1 f_i."""
+        return f
+
+    @staticmethod
+    def target_inputs(target, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T] -> (the head's input from the target at every position, log p [B, T, V])."""
+        return H.target_hidden_and_logp(target, x)
+
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 1 over a window: tokens = x_{1..T-1} [B, N], feats = f_{0..T-2} [B, N, d] ->
-        (g [B, N, d], logits [B, N, V]) at positions 0..N-1."""
-        g, _ = self.step(tokens, feats, torch.arange(tokens.shape[1]))
-        return g, g @ self.lm_head.T
+        """Step 1 over a window: tokens = x_{1..T-1} [B, N], feats = the target's inputs at 0..T-2
+        (:meth:`target_inputs`) -> (g [B, N, d], logits [B, N, V]) at positions 0..N-1."""
+        g, _ = self.step(tokens, self.first_feature(feats), torch.arange(tokens.shape[1]))
+        return g, self.logits(g)
 
     def chain(self, x: torch.Tensor, f: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Teacher-forced autoregressive drafting from every start i: step m (1-based) drafts token
@@ -160,13 +187,71 @@ class EagleHead(nn.Module):
         """``chain`` with each step's feature: ``steps`` pairs (g [B, N, d], logits [B, N, V])."""
         N = x.shape[1] - steps
         pos = torch.arange(N)
-        g, real = self.step(x[:, 1:1 + N], f[:, :N], pos)
-        out, extra = [(g, g @ self.lm_head.T)], []
+        g, real = self.step(x[:, 1:1 + N], self.first_feature(f[:, :N]), pos)
+        out, extra = [(g, self.logits(g))], []
         for m in range(2, steps + 1):
             g, kv = self.step(x[:, m:m + N], g, pos + m - 1, real=real, extra=extra)
             extra.append(kv)
-            out.append((g, g @ self.lm_head.T))
+            out.append((g, self.logits(g)))
         return out
+
+
+class Eagle3Head(EagleHead):
+    """EAGLE-3 (Li et al. 2025) as vLLM 0.32's ``Eagle3LlamaForCausalLM`` computes it (``llama_eagle3.py``,
+    the default ``norm_before_residual: false``): the first draft step reads ``fc(cat(a_l for l in
+    aux_layers))`` [3d -> d], the target's residual stream after layers ``aux_layers`` (vLLM's
+    ``_maybe_add_hidden_state``: hidden + residual, no norm; transformers' ``hidden_states[l]``);
+    the decoder layer's attention reads cat(input_layernorm(embed(x)), hidden_norm(h)) [2d] and its
+    residual is h itself; the draft's own final ``norm`` and LM head give the logits, and the
+    pre-norm output g is the next step's h. The LM head starts as the target's (frozen, stored in
+    the checkpoint: vLLM loads it as the draft's, draft vocabulary = the target's, no d2t)."""
+
+    def __init__(self, cfg: dict, embed: torch.Tensor, lm_head: torch.Tensor, aux_layers: tuple[int, ...],
+                 final_norm: torch.Tensor | None = None):
+        super().__init__(cfg, embed, lm_head)
+        d = cfg["hidden_size"]
+        if not aux_layers:
+            raise ValueError("eagle3: at least one aux layer")
+        self.aux_layers = tuple(int(a) for a in aux_layers)
+        layer = self.layers[0]
+        layer.input_layernorm = nn.Module()
+        layer.input_layernorm.weight = nn.Parameter(torch.ones(d))
+        layer.hidden_norm = nn.Module()
+        layer.hidden_norm.weight = nn.Parameter(torch.ones(d))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(layer.self_attn, name)
+            setattr(layer.self_attn, name, nn.Linear(2 * d, old.out_features, bias=False))
+            nn.init.normal_(getattr(layer.self_attn, name).weight, std=0.02)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(final_norm.detach().float().clone() if final_norm is not None else torch.ones(d))
+        # Start from the latest aux layer's state (an early exit of the target) plus a little of the others.
+        self.fc = nn.Linear(len(self.aux_layers) * d, d, bias=False)
+        with torch.no_grad():
+            nn.init.normal_(self.fc.weight, std=0.02)
+            self.fc.weight[:, -d:] += torch.eye(d)
+
+    def _layer_input(self, tokens: torch.Tensor, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = self.layers[0]
+        embeds = self._rms(self.embed[tokens], lay.input_layernorm.weight)
+        return torch.cat([embeds, self._rms(feats, lay.hidden_norm.weight)], -1), feats
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        return self._rms(g, self.norm.weight) @ self.lm_head.T
+
+    def first_feature(self, f: torch.Tensor) -> torch.Tensor:
+        return self.fc(f)
+
+    def target_inputs(self, target, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T] -> (cat of the aux layers' states [B, T, len(aux) * d], log p [B, T, V]), float32."""
+        with torch.no_grad():
+            out = target.model(input_ids=x, output_hidden_states=True)
+            aux = torch.cat([out.hidden_states[a].float() for a in self.aux_layers], -1)
+            return aux, F.log_softmax(target.lm_head(out.last_hidden_state.float()).float(), -1)
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM 0.32's default EAGLE-3 layers for a Llama target (``get_eagle3_default_aux_hidden_state_layers``)."""
+    return (2, num_layers // 2, num_layers - 3)
 
 
 def eagle_loss(head: EagleHead, x: torch.Tensor, f: torch.Tensor, t_logp: torch.Tensor, reg_weight: float,
@@ -176,20 +261,22 @@ def eagle_loss(head: EagleHead, x: torch.Tensor, f: torch.Tensor, t_logp: torch.
     With ``chain_steps`` K > 1 the head is also trained on its own drafts' inputs, as it is served
     (EAGLE-3's "training-time test" for an EAGLE-1 head): draft step m (fed the previous step's g, not
     the target's feature) is scored against the target at position i+m, and the loss is the mean over
-    the K steps. Returns (loss, [kl, reg]) with kl and reg averaged over the steps."""
+    the K steps. Returns (loss, [kl, reg]) with kl and reg averaged over the steps. EAGLE-3 has no
+    regression (``reg_weight`` 0: reg is reported as 0)."""
     V = t_logp.shape[-1]
+    zero = torch.zeros(())
     if chain_steps <= 1:
         g, logits = head(x[:, 1:], f[:, :-1])
         kl = F.kl_div(F.log_softmax(logits, -1).reshape(-1, V), t_logp[:, 1:].reshape(-1, V),
                       log_target=True, reduction="batchmean")
-        reg = F.smooth_l1_loss(g, f[:, 1:])
+        reg = F.smooth_l1_loss(g, f[:, 1:]) if reg_weight else zero
         return kl + reg_weight * reg, [kl.item(), reg.item()]
     N = x.shape[1] - chain_steps
     kls, regs = [], []
     for m, (g, logits) in enumerate(head.chain_features(x, f, chain_steps), start=1):
         kls.append(F.kl_div(F.log_softmax(logits, -1).reshape(-1, V), t_logp[:, m:m + N].reshape(-1, V),
                             log_target=True, reduction="batchmean"))
-        regs.append(F.smooth_l1_loss(g, f[:, m:m + N]))
+        regs.append(F.smooth_l1_loss(g, f[:, m:m + N]) if reg_weight else zero)
     kl, reg = torch.stack(kls).mean(), torch.stack(regs).mean()
     return kl + reg_weight * reg, [kl.item(), reg.item()]
 
@@ -210,7 +297,7 @@ def eagle_acceptance(target, head: EagleHead, windows: torch.Tensor, start: int 
     n = 0
     for b in range(0, len(windows), batch):
         x = windows[b:b + batch].long()
-        f, t_logp = H.target_hidden_and_logp(target, x)
+        f, t_logp = head.target_inputs(target, x)
         t_arg = t_logp.argmax(-1)
         N = x.shape[1] - K
         lead = torch.ones(x.shape[0], N - start, dtype=torch.bool)
@@ -232,15 +319,21 @@ def eagle_acceptance(target, head: EagleHead, windows: torch.Tensor, start: int 
 
 
 def save_eagle(head: EagleHead, out: Path, target_cfg: dict, extra: dict) -> int:
-    """Write the vLLM EAGLE-1 checkpoint (bf16); returns the safetensors size in bytes."""
+    """Write the vLLM EAGLE-1 checkpoint, or EAGLE-3's for an :class:`Eagle3Head` (its LM head and
+    final norm included, the aux layers in ``eagle_config``), bf16; returns the safetensors size in bytes."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = {k: v for k, v in target_cfg.items() if k not in ("dtype", "torch_dtype", "transformers_version")}
     cfg.update({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "torch_dtype": "bfloat16",
                 "specplugin": extra})
+    if isinstance(head, Eagle3Head):
+        tensors["lm_head.weight"] = head.lm_head.detach().to(torch.bfloat16).contiguous()
+        cfg.update({"eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.aux_layers),
+                                     "use_aux_hidden_state": True},
+                    "draft_vocab_size": cfg["vocab_size"], "target_hidden_size": cfg["hidden_size"]})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return (out / "model.safetensors").stat().st_size
 
@@ -250,8 +343,13 @@ def load_eagle(eagle_dir: Path, target) -> EagleHead:
     from safetensors.torch import load_file
 
     cfg = json.loads((Path(eagle_dir) / "config.json").read_text())
-    head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight)
-    head.load_state_dict({k: v.float() for k, v in load_file(str(Path(eagle_dir) / "model.safetensors")).items()})
+    weights = {k: v.float() for k, v in load_file(str(Path(eagle_dir) / "model.safetensors")).items()}
+    if "eagle_config" in cfg:  # EAGLE-3: its own LM head
+        layers = tuple(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        head = Eagle3Head(cfg, target.model.embed_tokens.weight, weights.pop("lm_head.weight"), layers)
+    else:
+        head = EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight)
+    head.load_state_dict(weights)
     return head
 
 
@@ -259,12 +357,19 @@ def card_markdown(card: dict, target_name: str, heads_name: str) -> list[str]:
     """The "EAGLE head" section of a model card (called through heads.section_markdown)."""
     s, m = card["train"], card["measure"]
     K = len(m["heldout_text"]["T0"])
-    L = [f"## EAGLE head (`{heads_name}`)", "",
-         f"Built by `{card['command']}` (`models/eagle.py`; EAGLE-1: frozen target, fc(cat(embed(x_(i+1)), "
-         "f_i)) + one Llama decoder layer without input norm, the target's embedding and LM head shared; "
-         f"KL(target || head) at T = 1 + {s['reg_weight']} x smooth-L1 feature regression, "
-         f"{H.training_text(s)}). "
-         f"Served by vLLM's own method: `{{\"method\": \"eagle\", \"model\": \"{heads_name}\", "
+    method = card.get("method", "eagle")
+    if method == "eagle3":
+        design = (f"EAGLE-3: frozen target, fc(cat of the residual stream after target layers {s['aux_layers']}) "
+                  "as the first step's input, one Llama decoder layer reading cat(norm(embed(x_(i+1))), norm(h_i)), "
+                  "its own final norm and LM head (started from the target's, kept frozen), the target's embedding "
+                  "shared; KL(target || head) at T = 1")
+    else:
+        design = ("EAGLE-1: frozen target, fc(cat(embed(x_(i+1)), f_i)) + one Llama decoder layer without input "
+                  "norm, the target's embedding and LM head shared; "
+                  f"KL(target || head) at T = 1 + {s['reg_weight']} x smooth-L1 feature regression")
+    L = [f"## {'EAGLE-3' if method == 'eagle3' else 'EAGLE'} head (`{heads_name}`)", "",
+         f"Built by `{card['command']}` (`models/eagle.py`; {design}, {H.training_text(s)}). "
+         f"Served by vLLM's own method: `{{\"method\": \"{method}\", \"model\": \"{heads_name}\", "
          f"\"num_speculative_tokens\": {K}}}` with `{target_name}` as the target.", "",
          "| | value |", "|---|---|",
          f"| trainable parameters | {m['params_trainable'] / 1e6:.3f} M = {100 * m['params_fraction_of_target']:.2f} % "
@@ -299,8 +404,15 @@ def curve_fn(target, held: torch.Tensor, prompts: int = 8, new_tokens: int = 64)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vllm_specplugin.models.eagle", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reg-weight", type=float, default=1.0,
-                    help="weight of the smooth-L1 feature regression next to the KL (default 1.0)")
+    ap.add_argument("--method", choices=["eagle", "eagle3"], default="eagle",
+                    help="eagle: an EAGLE-1 head (default); eagle3: an EAGLE-3 head, reading the target's "
+                         "--aux-layers, served by vLLM's method \"eagle3\"")
+    ap.add_argument("--aux-layers", type=int, nargs="+", default=None,
+                    help="eagle3: the target layers whose residual stream the head reads (default vLLM's "
+                         "for Llama: 2, L // 2, L - 3)")
+    ap.add_argument("--reg-weight", type=float, default=None,
+                    help="weight of the smooth-L1 feature regression next to the KL (default 1.0 for eagle; "
+                         "eagle3 has none: 0)")
     ap.add_argument("--chain-steps", type=int, default=1,
                     help="train draft steps 1..K on the head's own features, as it drafts when served "
                          "(default 1: step 1 only, EAGLE-1's objective)")
@@ -308,6 +420,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     target_cfg = H.check_llama(args.target)  # refuse early, before any loading
+    eagle3 = args.method == "eagle3"
+    layers = target_cfg["num_hidden_layers"]
+    aux_layers = tuple(args.aux_layers or default_aux_layers(layers))
+    if eagle3 and (len(set(aux_layers)) != len(aux_layers) or not all(0 <= a < layers for a in aux_layers)):
+        raise SystemExit(f"eagle: --aux-layers {list(aux_layers)} must be distinct layers of 0..{layers - 1}")
+    if not eagle3 and args.aux_layers:
+        raise SystemExit("eagle: --aux-layers applies to --method eagle3 only")
+    if args.reg_weight is None:
+        args.reg_weight = 0.0 if eagle3 else 1.0
+    if eagle3 and args.reg_weight:
+        raise SystemExit("eagle: EAGLE-3 has no feature regression (its input is the aux layers'); drop --reg-weight")
     torch.set_num_threads(args.threads)
     t_all = time.time()
     target = H.load_target(args.target)
@@ -319,14 +442,20 @@ def main(argv=None) -> int:
         stats, command = old["train"], old["command"]
     else:
         torch.manual_seed(args.seed)
-        head = EagleHead(target_cfg, target.model.embed_tokens.weight, target.lm_head.weight)
+        if eagle3:
+            head = Eagle3Head(target_cfg, target.model.embed_tokens.weight, target.lm_head.weight, aux_layers,
+                              target.model.norm.weight)
+        else:
+            head = EagleHead(target_cfg, target.model.embed_tokens.weight, target.lm_head.weight)
         key = {k: getattr(args, k) for k in ("tokens", "batch", "seq", "lr", "seed", "reg_weight")}
         key["target"] = str(Path(args.target).resolve())
         if args.chain_steps > 1 or args.data != "corpus":  # keys of earlier default runs unchanged
             key.update(chain_steps=args.chain_steps, data=args.data, self_pool=args.self_pool)
+        if eagle3:
+            key.update(method="eagle3", aux_layers=list(aux_layers))
 
         def batch_loss(x):
-            f, t_logp = H.target_hidden_and_logp(target, x)
+            f, t_logp = head.target_inputs(target, x)
             return eagle_loss(head, x, f, t_logp, args.reg_weight, args.chain_steps)
 
         if args.export_state:
@@ -342,10 +471,10 @@ def main(argv=None) -> int:
     H.log(f"acceptance held-out T0 {meas['heldout_text']['T0']} T1 {meas['heldout_text']['T1']}; "
           f"greedy-text chain {meas['target_greedy_text']['chain_T0']} "
           f"-> {meas['target_greedy_text']['accepted_per_step_T0']} accepted/step")
-    extra = {"target": str(args.target), "trainer": "models/eagle.py", "method": "eagle",
-             "objective": "kl_self_distill_T1+smooth_l1", "data": args.data}
+    extra = {"target": str(args.target), "trainer": "models/eagle.py", "method": args.method,
+             "objective": "kl_self_distill_T1" + ("" if eagle3 else "+smooth_l1"), "data": args.data}
     size = save_eagle(head, args.out, target_cfg, extra)
-    card = {"method": "eagle", "command": command, "train": stats, "measure": meas, "checkpoint_bytes": size,
+    card = {"method": args.method, "command": command, "train": stats, "measure": meas, "checkpoint_bytes": size,
             "total_wall_s": round(time.time() - t_all, 1), "torch": torch.__version__}
     H.write_card(args, card)
     H.log(f"wrote {args.out} ({size / 1e6:.2f} MB) in {(time.time() - t_all) / 60:.1f} min")

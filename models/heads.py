@@ -469,7 +469,7 @@ def _marks(heads_name: str) -> tuple[str, str]:
 
 def section_markdown(card: dict, target_name: str, heads_name: str) -> list[str]:
     """The card section of one heads checkpoint, by its ``method`` (Medusa when absent)."""
-    if card.get("method", "medusa") == "eagle":
+    if card.get("method", "medusa") in ("eagle", "eagle3"):
         from .eagle import card_markdown as eagle_markdown  # eagle imports this module: import late
         return eagle_markdown(card, target_name, heads_name)
     return card_markdown(card, target_name, heads_name)

@@ -125,6 +125,131 @@ def test_checkpoint_is_vllm_eagle_format_and_forward_matches(built):
     assert 0 < card["measure"]["params_fraction_of_target"] < 1
 
 
+# EAGLE-3 (vLLM's Eagle3LlamaForCausalLM, llama_eagle3.py): fc over the aux layers' states, the layer's
+# input_layernorm and hidden_norm, q/k/v over 2d inputs, its own final norm and LM head.
+EXPECTED3 = EXPECTED | {"layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight", "norm.weight",
+                        "lm_head.weight"}
+AUX3 = (0, 1, 3)
+
+
+@pytest.fixture(scope="module")
+def built3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    target = make_random_llama(root / "target", logit_scale=15.0, seed=0, num_layers=4)
+    out = root / "eagle3"
+    rc = E.main(["--method", "eagle3", "--aux-layers", *map(str, AUX3), "--chain-steps", "2",
+                 "--target", str(target), "--out", str(out), "--data", "self", "--tokens", "2048",
+                 "--batch", "4", "--seq", "32", "--eval-windows", "2", "--eval-prompts", "2",
+                 "--eval-new-tokens", "8", "--work", str(root / "work"), "--save-every", "4"])
+    assert rc == 0
+    return target, out
+
+
+def _reference3(out, target_model):
+    """vLLM's EAGLE-3 layer (llama_eagle3.LlamaDecoderLayer, layer 0, norm after residual) and model
+    (final norm with the residual; the pre-norm sum is the next step's hidden state) from transformers'
+    Llama attention, MLP and RMSNorm, q/k/v widened to the 2d input; weights from the checkpoint."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig.from_pretrained(str(out))
+    cfg._attn_implementation = "sdpa"  # causal when no mask is given
+    w = {k: v.float() for k, v in load_file(str(out / "model.safetensors")).items()}
+    assert set(w) == EXPECTED3
+    d = cfg.hidden_size
+    attn, mlp = LlamaAttention(cfg, layer_idx=0).float().eval(), LlamaMLP(cfg).float().eval()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attn, name, torch.nn.Linear(2 * d, getattr(attn, name).out_features, bias=False))
+    attn.load_state_dict({k[len("layers.0.self_attn."):]: v for k, v in w.items() if ".self_attn." in k})
+    mlp.load_state_dict({k[len("layers.0.mlp."):]: v for k, v in w.items() if ".mlp." in k})
+    norms = {}
+    for name in ("layers.0.input_layernorm", "layers.0.hidden_norm", "layers.0.post_attention_layernorm", "norm"):
+        norms[name] = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
+        norms[name].weight.data.copy_(w[name + ".weight"])
+    rope = LlamaRotaryEmbedding(cfg)
+    embed = target_model.model.embed_tokens.weight.float()
+
+    def run(tokens, hidden):
+        """tokens [1, n], hidden [1, n, d] (fc(aux) for the target's positions, a draft step's g after)
+        at positions 0..n-1 -> (g [1, n, d], logits [1, n, V]), causal."""
+        x = torch.cat([norms["layers.0.input_layernorm"](embed[tokens]), norms["layers.0.hidden_norm"](hidden)], -1)
+        pos = torch.arange(x.shape[1])[None]
+        a, _ = attn(x, position_embeddings=rope(hidden, pos), attention_mask=None)
+        residual = hidden + a
+        g = residual + mlp(norms["layers.0.post_attention_layernorm"](residual))
+        return g, norms["norm"](g) @ w["lm_head.weight"].T
+
+    return run, w["fc.weight"]
+
+
+def test_eagle3_checkpoint_is_vllm_eagle3_format_and_forward_matches(built3):
+    """The EAGLE-3 checkpoint: vLLM's EAGLEConfig makes it an Eagle3LlamaForCausalLM reading the aux
+    layers asked for; the head's input is the target's residual stream entering those layers (what
+    vLLM's Llama hands EAGLE-3, hooked here), and its first step and autoregressive chain are vLLM's
+    EAGLE-3 computation (reference above) on large random weights."""
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+
+    target, out = built3
+    cfg = json.loads((out / "config.json").read_text())
+    ecfg = EAGLEConfig(model=cfg, method="eagle3")
+    assert ecfg.architectures == ["Eagle3LlamaForCausalLM"] and ecfg.model.num_hidden_layers == 1
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX3)
+    model = H.load_target(target)
+    trained = E.load_eagle(out, model)
+    assert isinstance(trained, E.Eagle3Head) and trained.aux_layers == AUX3
+    with torch.no_grad():
+        g_ = torch.Generator().manual_seed(1)
+        for p in trained.parameters():
+            p.copy_(torch.randn(p.shape, generator=g_) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+    loud = out.parent / "eagle3-loud"
+    E.save_eagle(trained, loud, json.loads((target / "config.json").read_text()), {"target": str(target)})
+    head = E.load_eagle(loud, model)
+    run, fc = _reference3(loud, model)
+    g_ = torch.Generator().manual_seed(0)
+    x = torch.randint(3, cfg["vocab_size"], (1, 12), generator=g_)
+    entering = {}
+    hooks = [model.model.layers[a].register_forward_pre_hook(
+        lambda module, args, kwargs, a=a: entering.__setitem__(a, (kwargs.get("hidden_states") if not args else args[0])),
+        with_kwargs=True) for a in AUX3]
+    aux, _ = head.target_inputs(model, x)
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(aux, torch.cat([entering[a].float() for a in AUX3], -1))
+    with torch.no_grad():
+        hidden = aux @ fc.T
+        g_ref, logits_ref = run(x[:, 1:], hidden[:, :-1])
+        g, logits = head(x[:, 1:], aux[:, :-1])
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-3)
+        K = 3
+        chain = head.chain(x, aux, K)
+        N = x.shape[1] - K
+        for i in (0, 3, N - 1):
+            toks, feats = x[:, 1:i + 2], hidden[:, :i + 1]
+            for m in range(1, K + 1):
+                g_seq, logits_seq = run(toks, feats)
+                torch.testing.assert_close(chain[m - 1][:, i], logits_seq[:, -1], rtol=1e-3, atol=1e-3,
+                                           msg=lambda s: f"start {i} step {m}: {s}")
+                toks = torch.cat([toks, x[:, i + m + 1:i + m + 2]], 1)
+                feats = torch.cat([feats, g_seq[:, -1:]], 1)
+    card = json.loads((out / H.CARD_FILE).read_text())
+    assert card["method"] == "eagle3" and card["train"]["aux_layers"] == list(AUX3)
+    md = "\n".join(H.section_markdown(card, "t", "h"))
+    assert md.startswith("## EAGLE-3 head") and '"method": "eagle3"' in md
+
+
+def test_eagle3_options_are_checked(tmp_path):
+    target = make_random_llama(tmp_path / "target", seed=0, num_layers=4)
+    base = ["--target", str(target), "--out", str(tmp_path / "out"), "--data", "self", "--tokens", "64"]
+    for extra, message in ((["--method", "eagle3"], "distinct layers"),  # vLLM's default (2, 2, 1) for 4 layers
+                           (["--method", "eagle3", "--aux-layers", "0", "4"], "distinct layers"),
+                           (["--aux-layers", "0", "1"], "eagle3 only"),
+                           (["--method", "eagle3", "--aux-layers", "0", "1", "--reg-weight", "1"], "no feature regression")):
+        with pytest.raises(SystemExit, match=message):
+            E.main(base + extra)
+
+
 def test_card_sections_of_both_methods_survive_a_rewrite(built):
     """restore_sections re-appends an EAGLE section (its own markdown) next to any Medusa one."""
     _, out = built
