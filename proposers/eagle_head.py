@@ -50,6 +50,12 @@ WEIGHT_NAMES = ("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_
                 "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight")
 
 
+# EAGLE-3 (vLLM's Eagle3LlamaForCausalLM; models/eagle.py --method eagle3) adds these, and its
+# config names the target layers it reads (eagle_config.eagle_aux_hidden_state_layer_ids).
+EAGLE3_WEIGHT_NAMES = ("layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight", "norm.weight",
+                       "lm_head.weight")
+
+
 class HeadCheckpointError(ValueError):
     """A head checkpoint this drafter cannot serve (missing file, weight or unsupported setting)."""
 
@@ -57,12 +63,12 @@ class HeadCheckpointError(ValueError):
 @dataclass
 class EagleWeights:
     """The head's own weights (in the dtype asked for; float32 by default) and geometry, read from a
-    vLLM EAGLE-1 checkpoint."""
+    vLLM EAGLE-1 or EAGLE-3 checkpoint (EAGLE-3: ``aux_layers`` non-empty and the four weights more)."""
 
-    fc: torch.Tensor  # [d, 2d]
-    q: torch.Tensor  # [H * hd, d]
-    k: torch.Tensor  # [Hkv * hd, d]
-    v: torch.Tensor  # [Hkv * hd, d]
+    fc: torch.Tensor  # [d, 2d]; EAGLE-3 [d, A * d], A = len(aux_layers)
+    q: torch.Tensor  # [H * hd, d]; EAGLE-3 [H * hd, 2d]
+    k: torch.Tensor  # [Hkv * hd, d]; EAGLE-3 [Hkv * hd, 2d]
+    v: torch.Tensor  # [Hkv * hd, d]; EAGLE-3 [Hkv * hd, 2d]
     o: torch.Tensor  # [d, H * hd]
     norm: torch.Tensor  # [d]
     gate: torch.Tensor  # [I, d]
@@ -74,6 +80,11 @@ class EagleWeights:
     eps: float
     rope_theta: float
     vocab_size: int
+    aux_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers whose residual stream fc reads
+    input_norm: torch.Tensor | None = None  # EAGLE-3 [d]: the embedding's RMSNorm
+    hidden_norm: torch.Tensor | None = None  # EAGLE-3 [d]: the hidden state's RMSNorm
+    final_norm: torch.Tensor | None = None  # EAGLE-3 [d]: before its own LM head
+    lm_head: torch.Tensor | None = None  # EAGLE-3 [V, d]: its own
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> EagleWeights:
@@ -92,23 +103,46 @@ class EagleWeights:
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise HeadCheckpointError(f"EAGLE head {path}: attention / MLP biases are not supported")
         if int(cfg.get("num_hidden_layers", 1)) != 1:
-            raise HeadCheckpointError(f"EAGLE head {path}: {cfg.get('num_hidden_layers')} layers; an EAGLE-1 head has 1")
+            raise HeadCheckpointError(f"EAGLE head {path}: {cfg.get('num_hidden_layers')} layers; an EAGLE head has 1")
+        eagle_config = cfg.get("eagle_config") or {}
+        aux_layers = tuple(int(a) for a in eagle_config.get("eagle_aux_hidden_state_layer_ids") or ())
+        if eagle_config and not aux_layers:
+            raise HeadCheckpointError(f"EAGLE head {path}: an EAGLE-3 config without "
+                                      "eagle_aux_hidden_state_layer_ids (the target layers it reads) is not supported")
+        for key in ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"):
+            if eagle_config.get(key, cfg.get(key)):
+                raise HeadCheckpointError(f"EAGLE head {path}: {key} is not supported (vLLM's default EAGLE-3 layout only)")
+        if int(cfg.get("draft_vocab_size") or cfg["vocab_size"]) != int(cfg["vocab_size"]):
+            raise HeadCheckpointError(f"EAGLE head {path}: a reduced draft vocabulary (d2t) is not supported")
+        names = WEIGHT_NAMES + (EAGLE3_WEIGHT_NAMES if aux_layers else ())
         tensors = load_file(str(weights_file))
-        missing = [name for name in WEIGHT_NAMES if name not in tensors]
+        missing = [name for name in names if name not in tensors]
         if missing:
-            raise HeadCheckpointError(f"EAGLE head {path}: weights {missing} are missing (an EAGLE-1 checkpoint "
-                                      f"as vLLM's EagleLlamaForCausalLM loads it has {list(WEIGHT_NAMES)})")
-        w = [tensors[name].to(device=device, dtype=dtype).contiguous() for name in WEIGHT_NAMES]
+            kind = "EAGLE-3 checkpoint as vLLM's Eagle3LlamaForCausalLM" if aux_layers else \
+                "EAGLE-1 checkpoint as vLLM's EagleLlamaForCausalLM"
+            raise HeadCheckpointError(f"EAGLE head {path}: weights {missing} are missing (an {kind} loads it has "
+                                      f"{list(names)})")
+        w = [tensors[name].to(device=device, dtype=dtype).contiguous() for name in names]
         d = int(cfg["hidden_size"])
         n_heads = int(cfg["num_attention_heads"])
-        return cls(*w, n_heads=n_heads, n_kv=int(cfg.get("num_key_value_heads") or n_heads),
-                   head_dim=int(cfg.get("head_dim") or d // n_heads), eps=float(cfg["rms_norm_eps"]),
-                   rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-                   vocab_size=int(cfg["vocab_size"]))
+        extra = dict(zip(("input_norm", "hidden_norm", "final_norm", "lm_head"), w[len(WEIGHT_NAMES):]))
+        weights = cls(*w[:len(WEIGHT_NAMES)], n_heads=n_heads, n_kv=int(cfg.get("num_key_value_heads") or n_heads),
+                      head_dim=int(cfg.get("head_dim") or d // n_heads), eps=float(cfg["rms_norm_eps"]),
+                      rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                      vocab_size=int(cfg["vocab_size"]), aux_layers=aux_layers, **extra)
+        width = (len(aux_layers) if aux_layers else 2) * d
+        if tuple(weights.fc.shape) != (d, width):
+            raise HeadCheckpointError(f"EAGLE head {path}: fc.weight is {tuple(weights.fc.shape)}, expected {(d, width)}")
+        return weights
 
     @property
     def hidden_size(self) -> int:
         return self.fc.shape[0]
+
+    @property
+    def feature_size(self) -> int:
+        """The width of the target states the head reads per position: d (EAGLE-1), A * d (EAGLE-3)."""
+        return self.fc.shape[1] if self.aux_layers else self.hidden_size
 
 
 @dataclass
@@ -118,9 +152,11 @@ class _HeadCache:
     keys: torch.Tensor  # [Hkv, capacity, hd] in the head's dtype, RoPE applied
     values: torch.Tensor  # [Hkv, capacity, hd]
     positions: list[int] = field(default_factory=list)
-    # [<= 2, d]: the two newest entries' inputs; the newest is the first draft step's query and
-    # residual (the one before serves the fault injection of vllm_specplugin/faults.py only).
+    # [<= 2, d]: the two newest entries' residuals (EAGLE-1: their inputs); the newest is the first
+    # draft step's residual (the one before serves the fault injection of vllm_specplugin/faults.py only).
     recent_x: torch.Tensor | None = None
+    # [<= 2, d or 2d]: the same entries' attention inputs (EAGLE-1: recent_x itself).
+    recent_in: torch.Tensor | None = None
     # [H, 1, hd]: the newest entry's query, RoPE applied (computed with its keys and values, so
     # the first draft step needs no projection of its own).
     recent_q: torch.Tensor | None = None
@@ -154,7 +190,8 @@ class EagleHeadProposer(Proposer):
         self.name = name or Path(checkpoint).name
         self.metrics = DraftMetrics([self.name])
         self.embed: torch.Tensor | None = None  # [V, d] in the head's dtype
-        self.lm_head: torch.Tensor | None = None  # [V, d]
+        self.lm_head: torch.Tensor | None = None  # [V, d]: the target's (EAGLE-1) or its own (EAGLE-3)
+        self._lm = None  # the LM head's product
         self._caches: dict[str, _HeadCache] = {}
         self._pending: dict[str, _Pending] = {}
         self._nodes: dict[str, dict] = {}  # request id -> this step's tree nodes (see prepare)
@@ -174,7 +211,9 @@ class EagleHeadProposer(Proposer):
         self._o = linear(w.o)
         self._gate_up = linear(torch.cat([w.gate, w.up]).contiguous())
         self._down = linear(w.down)
-        self._lm = None  # the LM head's product, from attach_target
+        # EAGLE-1 shares the target's LM head (from attach_target); EAGLE-3 has its own.
+        if w.lm_head is not None:
+            self.lm_head, self._lm = w.lm_head, linear(w.lm_head)
         inv = 1.0 / w.rope_theta ** (torch.arange(0, w.head_dim, 2, dtype=torch.float32, device=self.device) / w.head_dim)
         self._inv_freq = inv  # [hd / 2]
         self._rope_table(ROPE_TABLE_POSITIONS)
@@ -190,17 +229,25 @@ class EagleHeadProposer(Proposer):
 
     # -- set-up ------------------------------------------------------------------------------
 
-    def attach_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The target layers whose residual stream an EAGLE-3 head reads (``hidden_states`` of a
+        request: their concatenation, [n, A * d]); () for EAGLE-1 (the final normed states, [n, d])."""
+        return self.weights.aux_layers
+
+    def attach_target(self, embed: torch.Tensor, lm_head: torch.Tensor | None) -> None:
         """The target's token embedding and LM head, [V', d] each (V' >= the head's vocabulary: vLLM
-        pads its vocabulary rows; only the first V are used)."""
+        pads its vocabulary rows; only the first V are used). An EAGLE-3 head has its own LM head."""
         d, vocab = self.weights.hidden_size, self.vocab_size
-        for name, tensor in (("embedding", embed), ("LM head", lm_head)):
-            if tensor.ndim != 2 or tensor.shape[1] != d or tensor.shape[0] < vocab:
-                raise HeadCheckpointError(f"the target's {name} is {tuple(tensor.shape)}; the head needs "
-                                          f"[>= {vocab}, {d}] (is the head trained for this target?)")
+        shared = (("embedding", embed),) + ((("LM head", lm_head),) if not self.aux_layers else ())
+        for name, tensor in shared:
+            if tensor is None or tensor.ndim != 2 or tensor.shape[1] != d or tensor.shape[0] < vocab:
+                raise HeadCheckpointError(f"the target's {name} is {None if tensor is None else tuple(tensor.shape)}; "
+                                          f"the head needs [>= {vocab}, {d}] (is the head trained for this target?)")
         self.embed = embed[:vocab].detach().to(self.device, self.dtype).contiguous()
-        self.lm_head = lm_head[:vocab].detach().to(self.device, self.dtype).contiguous()
-        self._lm = self.kernels.linear(self.lm_head)
+        if not self.aux_layers:
+            self.lm_head = lm_head[:vocab].detach().to(self.device, self.dtype).contiguous()
+            self._lm = self.kernels.linear(self.lm_head)
 
     # -- the Proposer interface --------------------------------------------------------------
 
@@ -238,9 +285,23 @@ class EagleHeadProposer(Proposer):
 
     # -- the head ----------------------------------------------------------------------------
 
-    def _inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """fc(cat(embed(tokens), features)): tokens [n] int64, features [n, d] -> [n, d]."""
-        return self._fc(torch.cat([self.embed[tokens], features], -1))
+    def _inputs(self, tokens: torch.Tensor, features: torch.Tensor, target: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """An entry's (attention input, residual) from its token [n] int64 and its features: the
+        target's states (``target``: [n, d], EAGLE-3 [n, A * d]) or a draft step's g [n, d].
+        EAGLE-1: x = fc(cat(embed, f)) for both. EAGLE-3: h = fc(aux) for the target's states, g for
+        a draft step's; attention input cat(rmsnorm(embed), rmsnorm(h)) [n, 2d], residual h."""
+        w = self.weights
+        if not w.aux_layers:
+            x = self._fc(torch.cat([self.embed[tokens], features], -1))
+            return x, x
+        h = self._fc(features) if target else features
+        embeds = self.kernels.rms_norm(self.embed[tokens], w.input_norm, w.eps)
+        return torch.cat([embeds, self.kernels.rms_norm(h.contiguous(), w.hidden_norm, w.eps)], -1), h
+
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:
+        """g [n, d] -> the head's logits [n, V] (EAGLE-3: its final norm, then its own LM head)."""
+        w = self.weights
+        return self._lm(self.kernels.rms_norm(g.contiguous(), w.final_norm, w.eps) if w.aux_layers else g)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [n, d], positions [n] int64 -> (queries [H, n, hd], keys [Hkv, n, hd], values [Hkv, n, hd]),
@@ -289,9 +350,11 @@ class EagleHeadProposer(Proposer):
         if count <= 0:
             return cache
         w = self.weights
-        if hidden.ndim != 2 or hidden.shape[1] != w.hidden_size:
+        if hidden.ndim != 2 or hidden.shape[1] != w.feature_size:
+            what = (f"the residual stream after target layers {list(w.aux_layers)}, concatenated" if w.aux_layers
+                    else "the target's final normed hidden states")
             raise ValueError(f"request {request.request_id}: hidden states {tuple(hidden.shape)}, expected "
-                             f"[n, {w.hidden_size}] (the target's final normed hidden states)")
+                             f"[n, {w.feature_size}] ({what})")
         if cache is None:
             capacity = max(64, 1 << math.ceil(math.log2(start + count + 1)))
             cache = self._caches[request.request_id] = _HeadCache(
@@ -305,16 +368,17 @@ class EagleHeadProposer(Proposer):
         self._reserve(cache, needed)
         tokens = torch.as_tensor(list(request.context[start + 1:start + 1 + count]), dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + count, device=self.device)
-        x = self._inputs(tokens, hidden[:count].to(self.device, self.dtype).contiguous())
-        queries, keys, values = self._project(x, positions)
+        inputs, x = self._inputs(tokens, hidden[:count].to(self.device, self.dtype).contiguous(), target=True)
+        queries, keys, values = self._project(inputs, positions)
         cache.keys[:, keep:needed] = keys
         cache.values[:, keep:needed] = values
         cache.positions.extend(range(start, start + count))
         cache.recent_q = queries[:, -1:].clone()
         if count == 1 and cache.recent_x is not None and keep and cache.positions[-2:-1] == [start - 1]:
             cache.recent_x = torch.stack([cache.recent_x[-1], x[0]])
+            cache.recent_in = torch.stack([cache.recent_in[-1], inputs[0]])
         else:
-            cache.recent_x = x[-2:]
+            cache.recent_x, cache.recent_in = x[-2:], inputs[-2:]
         return cache
 
     def draft_chain(self, cache: _HeadCache, last: int, request: DraftRequest, gamma: int | None = None,
@@ -333,15 +397,15 @@ class EagleHeadProposer(Proposer):
         tokens: list[int] = []
         rows = []
         for step in range(gamma):
-            q = processed_probs(self._lm(g)[0].float(), params)  # [V]
+            q = processed_probs(self._logits(g)[0].float(), params)  # [V]
             token = int(q.argmax()) if request.params.greedy else int(sample(q, request.generator))
             tokens.append(token)
             rows.append(q)
             if step + 1 == gamma:
                 break
             slot = n + step
-            x = self._inputs(torch.tensor([token], device=self.device), g)  # [1, d]
-            queries, k, v = self._project(x, torch.tensor([last + 1 + step], device=self.device))
+            inputs, x = self._inputs(torch.tensor([token], device=self.device), g, target=False)  # [1, d]
+            queries, k, v = self._project(inputs, torch.tensor([last + 1 + step], device=self.device))
             cache.keys[:, slot:slot + 1] = k
             cache.values[:, slot:slot + 1] = v
             g = self._after_attention(x, self._attend(queries, cache.keys[:, :slot + 1], cache.values[:, :slot + 1]))
@@ -366,9 +430,9 @@ class EagleHeadProposer(Proposer):
         if cache.n < 2 or cache.recent_x is None or cache.recent_x.shape[0] < 2 or cache.positions[-2] != last - 1:
             return None
         x = cache.recent_x[-2:-1]
-        queries, _, _ = self._project(x, torch.tensor([last - 1], device=self.device))
+        queries, _, _ = self._project(cache.recent_in[-2:-1], torch.tensor([last - 1], device=self.device))
         g = self._after_attention(x, self._attend(queries, cache.keys[:, :cache.n - 1], cache.values[:, :cache.n - 1]))
-        return processed_probs(self._lm(g)[0].float(), request.params)
+        return processed_probs(self._logits(g)[0].float(), request.params)
 
     # -- the drafter interface TreeProposer grows trees with (as EnsembleProposer's) ---------
     # A tree's node is the path of drafted tokens from the root (the newest verified position);
@@ -392,7 +456,7 @@ class EagleHeadProposer(Proposer):
     def root_distributions(self, request_ids: Sequence[str], contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """The head's unprocessed (T = 1) distribution after each context: [len(ids), V] float32."""
         g = torch.stack([self._tree_nodes(rid, len(ctx) - 2)[()][0] for rid, ctx in zip(request_ids, contexts)])
-        return self._lm(g).float().softmax(-1)
+        return self._logits(g).float().softmax(-1)
 
     def branch_distributions_of(self, items) -> list[torch.Tensor]:
         """``items``: (request id, context, paths); per item the head's unprocessed distribution after
@@ -409,7 +473,7 @@ class EagleHeadProposer(Proposer):
                     self.branch_distributions_of([(rid, context, [list(m) for m in dict.fromkeys(missing)])])
                 self._expand(rid, last, level)
             g = torch.stack([nodes[k][0] for k in keys])
-            out.append(self._lm(g).float().softmax(-1))
+            out.append(self._logits(g).float().softmax(-1))
         return out
 
     def draw_chains(self, active, drafts: list[Draft], row_params: list[SamplingParams] | None = None) -> None:
@@ -447,8 +511,8 @@ class EagleHeadProposer(Proposer):
         parents_g = torch.stack([nodes[p[:-1]][0] for p in paths])  # [P, d]
         tokens = torch.tensor([p[-1] for p in paths], device=self.device)
         position = torch.full((count,), last + depth, device=self.device)
-        x = self._inputs(tokens, parents_g)  # [P, d]
-        q, k, v = self._project(x, position)  # [H, P, hd], [Hkv, P, hd] x 2
+        inputs, x = self._inputs(tokens, parents_g, target=False)  # residual x [P, d]
+        q, k, v = self._project(inputs, position)  # [H, P, hd], [Hkv, P, hd] x 2
         # The node's own path: ancestors at depths 1..d-1, then itself: [Hkv, P, d, hd].
         path_k = torch.stack([torch.stack([nodes[p[:j]][1] for j in range(1, depth)] + [k[:, i]], 1)
                               for i, p in enumerate(paths)], 1)

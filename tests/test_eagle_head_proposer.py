@@ -1,4 +1,4 @@
-"""proposers/eagle_head.py: the EAGLE-1 head as the plugin's drafter drafts what the trainer's
+"""proposers/eagle_head.py: the EAGLE-1 and EAGLE-3 heads as the plugin's drafter drafts what the trainer's
 reference forward (models/eagle.py, itself tied to vLLM's llama_eagle in tests/test_eagle.py) drafts,
 with the request's processed q, whatever way the target's hidden states arrive (all at once, one
 verified step at a time, positions recomputed, states missing)."""
@@ -17,21 +17,33 @@ from vllm_specplugin.proposers.eagle_head import EagleHeadProposer, HeadCheckpoi
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A random 2-layer target and an untrained (randomised) head saved as vLLM loads it."""
-    root = tmp_path_factory.mktemp("eaglehead")
-    target_dir = make_random_llama(root / "target", logit_scale=15.0, seed=0)
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def pair(request, tmp_path_factory):
+    """A random 4-layer target and an untrained (randomised) head saved as vLLM loads it: EAGLE-1, or
+    EAGLE-3 reading the target's layers 0, 1 and 3."""
+    root = tmp_path_factory.mktemp(request.param)
+    target_dir = make_random_llama(root / "target", logit_scale=15.0, seed=0, num_layers=4)
     target = H.load_target(target_dir)
     cfg = target.config.to_dict()
     torch.manual_seed(1)
-    head = E.EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight)
+    if request.param == "eagle3":
+        head = E.Eagle3Head(cfg, target.model.embed_tokens.weight, target.lm_head.weight, (0, 1, 3),
+                            target.model.norm.weight)
+    else:
+        head = E.EagleHead(cfg, target.model.embed_tokens.weight, target.lm_head.weight)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.05 * torch.randn_like(p))  # the identity start would hide attention / MLP bugs
-    E.save_eagle(head, root / "eagle", cfg, {"method": "eagle"})
+    E.save_eagle(head, root / "eagle", cfg, {"method": request.param})
     head = E.load_eagle(root / "eagle", target)  # bf16 round trip: the weights the proposer reads
     return target, head, root / "eagle"
+
+
+def _features(pair, tokens: list[int]) -> torch.Tensor:
+    """What the runner hands the head for ``tokens`` [1, n, F]: the target's final normed hidden
+    states (EAGLE-1), or its residual stream after the head's aux layers, concatenated (EAGLE-3)."""
+    target, head, _ = pair
+    return head.target_inputs(target, torch.tensor([tokens]))[0]
 
 
 def _proposer(pair):
@@ -45,7 +57,7 @@ def _reference(target, head, context: list[int], drafted: list[int]):
     """The trainer's teacher-forced chain from the start at the context's last verified position,
     fed the drafted tokens: logits [len(drafted), V] of draft steps 1..len(drafted)."""
     x = torch.tensor([context + drafted])
-    f, _ = H.target_hidden_and_logp(target, x)
+    f, _ = head.target_inputs(target, x)
     steps = len(drafted)
     start = len(context) - 2
     return torch.stack([logits[0, start] for logits in head.chain(x, f, steps)])
@@ -60,7 +72,7 @@ def test_chain_matches_the_reference_head_greedy_and_sampled(pair):
     target, head, _ = pair
     proposer = _proposer(pair)
     context = torch.randint(0, target.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))[0].tolist()
-    f, _ = H.target_hidden_and_logp(target, torch.tensor([context]))
+    f = _features(pair, context)
     for rid, params in (("greedy", SamplingParams(0.0)), ("t1", SamplingParams(1.0)), ("topk", SamplingParams(0.8, 5, 0.9))):
         generator = torch.Generator().manual_seed(7)
         # The target has seen positions 0..18 (19 = the newest token has no state yet).
@@ -77,7 +89,7 @@ def test_chain_matches_the_reference_head_greedy_and_sampled(pair):
 def test_states_arriving_step_by_step_give_the_states_at_once_result(pair):
     target, head, _ = pair
     seq = torch.randint(0, target.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))[0].tolist()
-    f, _ = H.target_hidden_and_logp(target, torch.tensor([seq]))
+    f = _features(pair, seq)
     f = f[0]
     once, steps = _proposer(pair), _proposer(pair)
     greedy = SamplingParams(0.0)
@@ -101,7 +113,7 @@ def test_no_draft_without_the_state_of_the_last_verified_position(pair):
     target, _, _ = pair
     proposer = _proposer(pair)
     seq = list(range(1, 12))
-    f, _ = H.target_hidden_and_logp(target, torch.tensor([seq]))
+    f = _features(pair, seq)
     draft, = proposer.propose([_request("r", seq, 3, SamplingParams(0.0), f[0, :8], 0)])  # 8, 9 missing
     assert draft.token_ids == [] and proposer.metrics.fallback_requests == 1
     draft, = proposer.propose([_request("r", seq, 3, SamplingParams(0.0), None, 0)])
@@ -129,7 +141,7 @@ def test_tree_nodes_are_the_heads_chain_along_each_path(pair):
     target, head, _ = pair
     proposer = _proposer(pair)
     context = torch.randint(0, target.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(6))[0].tolist()
-    f, _ = H.target_hidden_and_logp(target, torch.tensor([context]))
+    f = _features(pair, context)
     request = _request("r", context, 4, SamplingParams(1.0), f[0, :15], 0)
     proposer.prepare([request])
     assert proposer.room("r", len(context), 4) == 4 and proposer.room("r", len(context) + 1, 4) == 0
@@ -156,7 +168,7 @@ def test_tree_proposer_over_the_head_drafts_trees(pair):
     proposer = _proposer(pair)
     tree = TreeProposer(proposer, node_budget=6, branching=2, verify="tree")
     context = torch.randint(0, target.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(8))[0].tolist()
-    f, _ = H.target_hidden_and_logp(target, torch.tensor([context]))
+    f = _features(pair, context)
     request = DraftRequest("r", context, 6, SamplingParams(1.0), torch.Generator().manual_seed(2),
                            tree_ok=True, hidden_states=f[0, :15], hidden_start=0)
     draft, = tree.propose([request])
@@ -172,7 +184,7 @@ def test_a_bfloat16_head_drafts_the_float32_heads_distributions(pair):
     head's (bfloat16 rounding only)."""
     target, _, path = pair
     context = torch.randint(0, target.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))[0].tolist()
-    f, _ = H.target_hidden_and_logp(target, torch.tensor([context]))
+    f = _features(pair, context)
     rows = []
     for dtype in ("float32", "bfloat16"):
         proposer = EagleHeadProposer(path, dtype=dtype)
@@ -206,7 +218,7 @@ def test_the_head_is_one_drafter_of_a_merged_tree(pair):
     suffix = SuffixDrafter(head.vocab_size, SuffixSettings(corpus_requests=0))
     merged = MergedTreeProposer(tree, [("suffix", suffix)], 0.5, ChoicePolicy(draft_cost=0.0, verify_cost=0.0))
     context = [5, 6, 7, 8, 9] * 3 + [5, 6]  # "5 6" seen before: the suffix continues 7 8 9 5
-    f, _ = H.target_hidden_and_logp(target, torch.tensor([context]))
+    f = _features(pair, context)
     request = DraftRequest("r", context, 8, SamplingParams(1.0), torch.Generator().manual_seed(2),
                            tree_ok=True, hidden_states=f[0, :len(context) - 1], hidden_start=0)
     draft, = merged.propose([request])
@@ -235,7 +247,7 @@ def test_the_head_in_the_drafter_choice_keeps_every_state_while_the_suffix_draft
     choice = DrafterChoice(head, SuffixDrafter(head.vocab_size, SuffixSettings(corpus_requests=0)), policy)
     seq = torch.randint(0, target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))[0].tolist()
     seq = seq + seq[:8] + [3, 1, 4]  # the second copy of the prefix: the suffix continues it
-    f, _ = H.target_hidden_and_logp(target, torch.tensor([seq]))
+    f = _features(pair, seq)
     f = f[0]
     greedy = SamplingParams(0.0)
     chosen = []

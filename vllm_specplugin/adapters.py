@@ -267,6 +267,11 @@ class MultiDraftProposer(CustomClassAdapter):
                 "lm_head.weight for the head to share (a Llama-style target is needed)")
         self.head.attach_target(embed, lm_head)
 
+    @property
+    def aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """The target layers an EAGLE-3 head reads (the runner shim turns their outputs on); ()."""
+        return tuple(getattr(self.head, "aux_layers", ()) or ())
+
     def set_target_states(self, states) -> None:
         """The runner shim's :class:`~vllm_specplugin.runner_shim.TargetStates` for this step (or None)."""
         self._target_states = states

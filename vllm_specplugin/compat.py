@@ -373,6 +373,20 @@ def _check_runner_shim_internals(need) -> None:
          < custom.find("self.input_batch.token_ids_cpu,") < custom.find("slot_mappings=slot_mappings"),
          "custom_class propose(sampled_token_ids, input_batch.num_tokens_no_spec, input_batch.token_ids_cpu, "
          "slot_mappings=...)")
+    # EAGLE-3 heads (runner_shim.aux_hidden_states_for_the_head): the setup load_model calls, the flag
+    # execute_model reads to split (hidden, aux) and the aux states handed to propose_draft_token_ids.
+    setup = inspect.getsource(GPUModelRunner._setup_eagle3_aux_hidden_state_outputs) if hasattr(
+        GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs") else ""
+    need("if not self.use_aux_hidden_state_outputs:" in setup and "set_aux_hidden_state_layers(" in setup,
+         "GPUModelRunner._setup_eagle3_aux_hidden_state_outputs sets the model's aux layers when "
+         "use_aux_hidden_state_outputs")
+    need("hidden_states, aux_hidden_states = model_output" in inspect.getsource(GPUModelRunner.execute_model),
+         "execute_model splits (hidden_states, aux_hidden_states) when use_aux_hidden_state_outputs")
+    need("aux_hidden_states" in params, "propose_draft_token_ids receives aux_hidden_states")
+    from vllm.v1.worker import cpu_model_runner
+
+    need("self._setup_eagle3_aux_hidden_state_outputs()" in inspect.getsource(cpu_model_runner.CPUModelRunner.load_model),
+         "CPUModelRunner.load_model calls _setup_eagle3_aux_hidden_state_outputs after loading the drafter")
     need(source.find("self._draft_probs = None") < source.find('method == "custom_class"'),
          "propose_draft_token_ids clears _draft_probs before drafting (the shim sets it after)")
     reader = inspect.getsource(GPUModelRunner._get_spec_decode_draft_probs)

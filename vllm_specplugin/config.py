@@ -61,8 +61,10 @@ class SpecPluginConfig:
     draft_free_sampler: str = "plain"
     # Local checkpoint directories of the draft models (1 to 3), for the draft proposers.
     drafts: tuple[str, ...] = ()
-    # A local EAGLE-1 head checkpoint (the directory vLLM's method "eagle" loads) to draft with
-    # instead of draft models (proposers/eagle_head.py): chains sampled from the head's distribution
+    # A local EAGLE-1 or EAGLE-3 head checkpoint (the directory vLLM's method "eagle" or "eagle3"
+    # loads; EAGLE-3 reads the residual stream after the target layers its config names, which the
+    # runner shim then turns on) to draft with instead of draft models
+    # (proposers/eagle_head.py): chains sampled from the head's distribution
     # under each request's temperature / top-k / top-p, verified against that q (min(1, p/q); vLLM's
     # own "eagle" drafts greedily), or trees with tree_drafting (EAGLE-2's dynamic trees with shape
     # "dynamic"), or its chains or trees chosen per request and step against the suffix drafter with

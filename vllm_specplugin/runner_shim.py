@@ -93,6 +93,13 @@ def target_states(runner, args: tuple, kwargs: dict) -> TargetStates:
     named = dict(zip(PROPOSE_PARAMETERS, args))
     named.update(kwargs)
     hidden = named["hidden_states"]
+    if getattr(getattr(runner, "drafter", None), "aux_hidden_state_layers", ()):
+        # An EAGLE-3 head reads the residual stream after its target layers, concatenated
+        # ([T, A * d]), as vLLM's own EAGLE-3 proposer does (aux_hidden_states_for_the_head).
+        aux = named["aux_hidden_states"]
+        if not aux:
+            raise RuntimeError("the EAGLE-3 head needs the target's aux hidden states and this step has none")
+        hidden = torch.cat(list(aux), -1)
     sampled = named["sampled_token_ids"]
     metadata = named["spec_decode_metadata"]
     query_start = named["common_attn_metadata"].query_start_loc_cpu.tolist()
@@ -152,7 +159,33 @@ def install() -> None:
     from vllm_specplugin.patches import wrap_once
 
     wrap_once(GPUModelRunner, "propose_draft_token_ids", _shimmed_propose_draft_token_ids)
+    wrap_once(GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs", aux_hidden_states_for_the_head)
     wrap_once(GPUModelRunner, "_get_spec_decode_draft_probs", _one_hot_only_where_q_is_missing)
+
+
+def aux_hidden_states_for_the_head(original):
+    """An EAGLE-3 head (``eagle_head``) reads the target's residual stream after some of its layers.
+    vLLM turns these aux outputs on only for its own ``eagle3`` method; with ``custom_class`` the
+    wrapped setup (called at the end of load_model, before compilation) turns them on for the layers
+    the plugin's head names (``drafter.aux_hidden_state_layers``): the model then returns (hidden
+    states, aux states) and the runner hands both to propose_draft_token_ids."""
+    def setup(self):
+        layers = tuple(getattr(getattr(self, "drafter", None), "aux_hidden_state_layers", ()) or ())
+        if not layers or not _shim_enabled(self):
+            return original(self)
+        from vllm.model_executor.models.interfaces import supports_eagle3
+
+        from vllm_specplugin.config import SpecPluginConfigError
+
+        model = self.get_model()
+        if not supports_eagle3(model):
+            raise SpecPluginConfigError("eagle_head", f"the target ({type(model).__name__}) cannot hand an EAGLE-3 "
+                                        "head the states of its layers (it does not implement vLLM's SupportsEagle3)")
+        self.use_aux_hidden_state_outputs = True
+        model.set_aux_hidden_state_layers(layers)
+        logger.info("specplugin: the target hands its EAGLE-3 head the states after layers %s", list(layers))
+
+    return setup
 
 
 def _shimmed_propose_draft_token_ids(original):

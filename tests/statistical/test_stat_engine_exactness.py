@@ -178,6 +178,7 @@ SUITE = {
     "honest_eagle_head_plugin": len(HEAD_SAMPLING_TEMPERATURES),
     "fault_l_head_stale_states": 1,
     "honest_eagle_head_tree": len(HEAD_SAMPLING_TEMPERATURES),
+    "honest_eagle3_head_tree": len(HEAD_SAMPLING_TEMPERATURES),
     "honest_medusa_heads_tree": len(MEDUSA_TREE_TEMPERATURES),
     "honest_block_draft_model": len(BLOCK_TEMPERATURES),
     "honest_suffix_choice": len(SUFFIX_CHOICE_TEMPERATURES),
@@ -283,8 +284,8 @@ def planned_power(reference, config: SamplingConfig, prompts=None) -> tuple[floa
 # default: the whole-tree case (its tree attention runs inside the compiled model's attention
 # op) and the CPU expand bug's (a) and (j), whose effect reads uninitialised memory and was only
 # ever observed with the compiled forward. The engine and server tiers run compiled as well.
-COMPILED_CASES = ("honest_tree_verification", "honest_eagle_head_tree", "fault_a_expand_bug",
-                  "fault_j_medusa_expand_bug")
+COMPILED_CASES = ("honest_tree_verification", "honest_eagle_head_tree", "honest_eagle3_head_tree",
+                  "fault_a_expand_bug", "fault_j_medusa_expand_bug")
 EAGER = {"enforce_eager": True}
 
 
@@ -1048,6 +1049,45 @@ def test_plugin_eagle_head_trees_are_exact(peaked_target, peaked_eagle, referenc
                                                           "tree_drafting": DYNAMIC_TREE_DRAFTING}})
     assert_trees_verified(report)
     assert report.cases[-1].plugin_counters.get("tree_non_first_child_accepted", 0) > 0
+
+
+@pytest.fixture(scope="module")
+def peaked_eagle3(tmp_path_factory, peaked_target) -> str:
+    """An EAGLE-3 head for peaked_target (models/eagle.py --method eagle3; ~30 s), reading the residual
+    stream after the target's layers 0 and 1 (of its 2), draft steps 1-2 trained as served."""
+    from vllm_specplugin.models import eagle
+
+    root = tmp_path_factory.mktemp("eagle3")
+    out = root / "peaked-eagle3"
+    assert eagle.main(["--method", "eagle3", "--aux-layers", "0", "1", "--chain-steps", "2", "--target", peaked_target,
+                       "--out", str(out), "--data", "self", "--tokens", "131072", "--batch", "8", "--seq", "64",
+                       "--lr", "3e-3", "--eval-windows", "2", "--eval-prompts", "4", "--eval-new-tokens", "16",
+                       "--work", str(root / "work")]) == 0
+    return str(out)
+
+
+# T = 0 acceptance of honest_eagle3_head_tree's trees when the runner shim hands the head the aux states
+# concatenated in the reverse order (measured once, 7 Dec: 0.0196; T = 0.7 0.003, T = 1 0.013): the floor
+# its honest run must clear twice over.
+ACCEPTANCE_WITH_WRONG_STATES = 0.0196
+
+
+def test_plugin_eagle3_head_trees_are_exact(peaked_target, peaked_eagle3, reference):
+    """An EAGLE-3 head as the plugin's drafter (``eagle_head`` with an EAGLE-3 checkpoint: the runner
+    shim turns on the target's aux outputs for its layers and hands the head their states at each
+    step's verified rows, the accepted path of a tree included), growing dynamic trees verified whole
+    as in honest_eagle_head_tree (steps whose trees would be chains draw them with the chain loop): T = 0,
+    0.7 and 1.0 over M_LONG tokens (top-k 50, top-p 0.9). Trees must be verified, at T = 1 non-first
+    children accepted, and at T = 0 the head's drafts accepted as a head fed the right states is (aux
+    states handed in another order: ACCEPTANCE_WITH_WRONG_STATES)."""
+    report = run_honest("honest_eagle3_head_tree", peaked_target, head_samplings(long=True), reference,
+                        speculative_config=TREE_PROPOSER,
+                        additional_config={"specplugin": {"eagle_head": peaked_eagle3,
+                                                          "tree_drafting": DYNAMIC_TREE_DRAFTING}})
+    print(f"honest_eagle3_head_tree: acceptance {[round(c.acceptance_rate or 0, 3) for c in report.cases]}")
+    assert_trees_verified(report)
+    assert report.cases[-1].plugin_counters.get("tree_non_first_child_accepted", 0) > 0
+    assert report.cases[0].acceptance_rate and report.cases[0].acceptance_rate > 2 * ACCEPTANCE_WITH_WRONG_STATES
 
 
 def head_first_q(target_path: str, head_path: str, config: SamplingConfig):
