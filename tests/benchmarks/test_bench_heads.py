@@ -145,39 +145,6 @@ def heads_at_batch_one(benchmark, bench_results, table: str, served, batch: int,
                          batch=batch, temperature=temperature, max_tokens=MAX_TOKENS)
 
 
-# --- an EAGLE-3 head, by vLLM and by the plugin (issue 33) -------------------------------------
-# The memory-bound target's EAGLE-3 head (models/demo-mb/eagle3: make heads-eagle3) served by vLLM's
-# own "eagle3" (greedy chains of k = 3 and 8, one-hot verification) and by the plugin (eagle_head with
-# the EAGLE-3 checkpoint: sampled chains of 3 verified against q, dynamic trees of 8, the head in
-# bfloat16 as the plugin serves it fastest), beside the long EAGLE-1 head the same two ways
-# (models/demo-mb/eagle-long, 5.0 M tokens), at batch 1. SPECPLUGIN_BENCH_EAGLE3_DIR serves another.
-#
-#     BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -k eagle3_head_plugin -s
-
-EAGLE3_MB = os.environ.get("SPECPLUGIN_BENCH_EAGLE3_DIR", os.path.join(DEMO_MB, "eagle3"))
-EAGLE_LONG_MB = os.path.join(DEMO_MB, "eagle-long")
-
-
-def vllm_eagle3_config(heads_dir: str, k: int) -> ServedConfig:
-    """vLLM's built-in EAGLE-3 (models/eagle.py --method eagle3) drafting k tokens."""
-    head = os.path.relpath(heads_dir, os.path.dirname(DEMO))
-    return ServedConfig(f"vllm eagle3[{head}] k={k}", {"method": "eagle3", "model": heads_dir, "num_speculative_tokens": k})
-
-
-served_eagle3_head = served_fixture(
-    [ServedConfig("plain"), vllm_eagle3_config(EAGLE3_MB, 3), vllm_eagle3_config(EAGLE3_MB, 8),
-     plugin_eagle_config(EAGLE3_MB, dtype="bfloat16"),
-     plugin_eagle_config(EAGLE3_MB, 8, {"shape": "dynamic"}, dtype="bfloat16"),
-     vllm_eagle_config(EAGLE_LONG_MB, 3), plugin_eagle_config(EAGLE_LONG_MB, dtype="bfloat16"),
-     plugin_eagle_config(EAGLE_LONG_MB, 8, {"shape": "dynamic"}, dtype="bfloat16")],
-    target=os.path.join(DEMO_MB, "target"))
-
-
-@pytest.mark.parametrize("batch,temperature", HEAD_WORKLOADS, ids=[f"batch{b}-T{t:g}" for b, t in HEAD_WORKLOADS])
-def test_throughput_eagle3_head_plugin(benchmark, bench_results, served_eagle3_head, batch, temperature):
-    heads_at_batch_one(benchmark, bench_results, "throughput_eagle3_head_plugin", served_eagle3_head, batch, temperature)
-
-
 # --- Medusa heads as the plugin's drafter (issue 33 item 2c) ---------------------------------
 # The memory-bound target's Medusa heads (models/demo-mb/medusa, 4 heads) served by vLLM's own
 # "medusa" (greedy chains of k = 2 and 4, one-hot verification) and by the plugin (medusa_heads:
@@ -209,4 +176,46 @@ served_medusa_heads = served_fixture(
 @pytest.mark.parametrize("batch,temperature", HEAD_WORKLOADS, ids=[f"batch{b}-T{t:g}" for b, t in HEAD_WORKLOADS])
 def test_throughput_medusa_heads_plugin(benchmark, bench_results, served_medusa_heads, batch, temperature):
     heads_at_batch_one(benchmark, bench_results, "throughput_medusa_heads_plugin", served_medusa_heads, batch,
+                       temperature)
+
+
+# --- every head, by vLLM and by the plugin, in one run (issue 33's table) -----------------------
+# The memory-bound target's long heads side by side at batch 1: the EAGLE-1 head (models/demo-mb/
+# eagle-long, 5.0 M tokens), the EAGLE-3 head (models/demo-mb/eagle3: make heads-eagle3) and the
+# Medusa heads (models/demo-mb/medusa-long), each served by vLLM's own method (greedy chains, one-hot
+# verification: eagle and eagle3 with k = 3 and 8, medusa with its best k = 2) and by the plugin
+# (eagle_head / medusa_heads: sampled chains of 3 verified against q, dynamic trees verified whole;
+# the heads in bfloat16 as the plugin serves them fastest), beside plain decoding and vLLM's
+# draft_model with the best 4.46 M draft. SPECPLUGIN_BENCH_EAGLE3_DIR serves another EAGLE-3 head.
+#
+#     BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -k heads_side_by_side -s
+
+EAGLE3_MB = os.environ.get("SPECPLUGIN_BENCH_EAGLE3_DIR", os.path.join(DEMO_MB, "eagle3"))
+EAGLE_LONG_MB = os.path.join(DEMO_MB, "eagle-long")
+MEDUSA_LONG_MB = os.path.join(DEMO_MB, "medusa-long")
+
+
+def vllm_eagle3_config(heads_dir: str, k: int) -> ServedConfig:
+    """vLLM's built-in EAGLE-3 (models/eagle.py --method eagle3) drafting k tokens."""
+    head = os.path.relpath(heads_dir, os.path.dirname(DEMO))
+    return ServedConfig(f"vllm eagle3[{head}] k={k}", {"method": "eagle3", "model": heads_dir, "num_speculative_tokens": k})
+
+
+served_heads_side_by_side = served_fixture(
+    [ServedConfig("plain"),
+     vllm_eagle_config(EAGLE_LONG_MB, 3), vllm_eagle_config(EAGLE_LONG_MB, 8),
+     vllm_eagle3_config(EAGLE3_MB, 3), vllm_eagle3_config(EAGLE3_MB, 8),
+     vllm_medusa_config(MEDUSA_LONG_MB, 2),
+     plugin_eagle_config(EAGLE_LONG_MB, dtype="bfloat16"),
+     plugin_eagle_config(EAGLE_LONG_MB, 8, {"shape": "dynamic"}, dtype="bfloat16"),
+     plugin_eagle_config(EAGLE3_MB, dtype="bfloat16"),
+     plugin_eagle_config(EAGLE3_MB, 8, {"shape": "dynamic"}, dtype="bfloat16"),
+     plugin_eagle_config(MEDUSA_LONG_MB, 10, {"shape": "dynamic"}, kind="medusa"),
+     builtin_draft_model_config("demo-mb/draft", 4)],
+    target=os.path.join(DEMO_MB, "target"))
+
+
+@pytest.mark.parametrize("batch,temperature", HEAD_WORKLOADS, ids=[f"batch{b}-T{t:g}" for b, t in HEAD_WORKLOADS])
+def test_throughput_heads_side_by_side(benchmark, bench_results, served_heads_side_by_side, batch, temperature):
+    heads_at_batch_one(benchmark, bench_results, "throughput_heads_side_by_side", served_heads_side_by_side, batch,
                        temperature)
