@@ -59,7 +59,8 @@ class BatchView:
 @dataclass(frozen=True)
 class TargetStates:
     """The target's final hidden states (after its last RMSNorm: what vLLM hands its own EAGLE and
-    Medusa proposers) at the positions it verified this step, per batch row.
+    Medusa proposers; for an EAGLE-3 head its aux layers' states, concatenated, [n_r, A * d], what vLLM
+    hands its own EAGLE-3) at the positions it verified this step, per batch row.
 
     ``rows[r]`` is ``[n_r, d]`` (the target's dtype, on the runner's device), a view of vLLM's
     hidden-state buffer valid only during this ``propose`` call, for context positions
