@@ -55,14 +55,52 @@ def _reference(out, target_model):
     embed, lm_head = target_model.model.embed_tokens.weight.float(), target_model.lm_head.weight.float()
 
     def run(tokens, feats):
-        """tokens [1, n], feats [1, n, d] at positions 0..n-1 -> g [1, n, d] (causal)."""
+        """tokens [1, n], feats [1, n, d] at positions 0..n-1 -> (g [1, n, d], logits [1, n, V]), causal."""
         x = torch.cat([embed[tokens], feats], -1) @ w["fc.weight"].T
         pos = torch.arange(x.shape[1])[None]
         y = layer(x, attention_mask=None, position_ids=pos, position_embeddings=rope(x, pos))
         y = y[0] if isinstance(y, tuple) else y
-        return y  # vLLM: hidden_states + residual, no final norm; HF's layer returns exactly that sum
+        # vLLM: hidden_states + residual, no final norm (HF's layer returns exactly that sum); the target's LM head
+        return y, y @ lm_head.T
 
-    return run, lm_head
+    return run
+
+
+def _loud_copy(trained, name: str, out, target, model):
+    """The trained head with every weight redrawn at a large scale (a briefly trained head is near its
+    init: small attention scores would hide RoPE or mask errors), written by save_eagle next to ``out``
+    as ``name`` and read back (bf16 round trip: the reference reads the same bf16 weights)."""
+    with torch.no_grad():
+        g_ = torch.Generator().manual_seed(1)
+        for p in trained.parameters():
+            p.copy_(torch.randn(p.shape, generator=g_) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
+    loud = out.parent / name
+    E.save_eagle(trained, loud, json.loads((target / "config.json").read_text()), {"target": str(target)})
+    return E.load_eagle(loud, model), loud
+
+
+@torch.no_grad()
+def _assert_step_and_chain(head, run, x, inputs, hidden) -> None:
+    """The head's first draft step over the window ((x_{i+1}, its inputs at i) at position i) and its
+    3-step autoregressive chain equal the reference ``run(tokens, hidden) -> (g, logits)``: from start i,
+    step m feeds (x_{i+m}, g of step m-1) at position i+m-1 after the real entries 0..i, exactly a
+    causal run over that explicit sequence. ``inputs``: what the head reads from the target [1, T, F];
+    ``hidden``: the first step's hidden input the reference takes [1, T, d]."""
+    g_ref, logits_ref = run(x[:, 1:], hidden[:, :-1])
+    g, logits = head(x[:, 1:], inputs[:, :-1])
+    torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-3)
+    K = 3
+    chain = head.chain(x, inputs, K)
+    N = x.shape[1] - K
+    for i in (0, 3, N - 1):
+        toks, feats = x[:, 1:i + 2], hidden[:, :i + 1]
+        for m in range(1, K + 1):
+            g_seq, logits_seq = run(toks, feats)
+            torch.testing.assert_close(chain[m - 1][:, i], logits_seq[:, -1], rtol=1e-3, atol=1e-3,
+                                       msg=lambda s: f"start {i} step {m}: {s}")
+            toks = torch.cat([toks, x[:, i + m + 1:i + m + 2]], 1)
+            feats = torch.cat([feats, g_seq[:, -1:]], 1)
 
 
 def test_checkpoint_is_vllm_eagle_format_and_forward_matches(built):
@@ -76,8 +114,6 @@ def test_checkpoint_is_vllm_eagle_format_and_forward_matches(built):
     assert all(cfg[k] == tcfg[k] for k in ("hidden_size", "vocab_size", "num_attention_heads", "rms_norm_eps"))
 
     model = H.load_target(target)
-    # The briefly trained head is near its init (small attention scores: RoPE or mask errors would hide),
-    # so the comparison uses its checkpoint with every weight redrawn at a large scale, written by save_eagle.
     trained = E.load_eagle(out, model)
     # Trained: moved from its init (the trainer draws it after torch.manual_seed(--seed), default 0),
     # by more than the bf16 rounding of the checkpoint.
@@ -86,36 +122,11 @@ def test_checkpoint_is_vllm_eagle_format_and_forward_matches(built):
     rounded = {n: p.detach().to(torch.bfloat16).float() for n, p in init.named_parameters()}
     moved = {n: float((p.detach().float() - rounded[n]).abs().max()) for n, p in trained.named_parameters()}
     assert set(moved) == set(rounded) and max(moved.values()) > 1e-3, moved
-    with torch.no_grad():
-        g_ = torch.Generator().manual_seed(1)
-        for p in trained.parameters():
-            p.copy_(torch.randn(p.shape, generator=g_) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
-    loud = out.parent / "eagle-loud"
-    E.save_eagle(trained, loud, json.loads((target / "config.json").read_text()), {"target": str(target)})
-    head = E.load_eagle(loud, model)  # bf16 round trip: the reference reads the same bf16 weights
-    run, lm_head = _reference(loud, model)
+    head, loud = _loud_copy(trained, "eagle-loud", out, target, model)
     g_ = torch.Generator().manual_seed(0)
     x = torch.randint(3, cfg["vocab_size"], (1, 12), generator=g_)
     f, _ = H.target_hidden_and_logp(model, x)
-    with torch.no_grad():
-        # First draft step over the window: (x_{i+1}, f_i) at position i.
-        g_ref = run(x[:, 1:], f[:, :-1])
-        g, logits = head(x[:, 1:], f[:, :-1])
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(logits, g_ref @ lm_head.T, rtol=1e-4, atol=1e-3)
-        # Autoregressive chain (3 steps): from start i, step m feeds (x_{i+m}, g of step m-1) at position
-        # i+m-1 after the real entries 0..i, exactly a causal run over that explicit sequence.
-        K = 3
-        chain = head.chain(x, f, K)
-        N = x.shape[1] - K
-        for i in (0, 3, N - 1):
-            toks, feats = x[:, 1:i + 2], f[:, :i + 1]
-            for m in range(1, K + 1):
-                g_seq = run(toks, feats)[:, -1:]
-                torch.testing.assert_close(chain[m - 1][:, i], (g_seq @ lm_head.T)[:, 0], rtol=1e-3, atol=1e-3,
-                                           msg=lambda s: f"start {i} step {m}: {s}")
-                toks = torch.cat([toks, x[:, i + m + 1:i + m + 2]], 1)
-                feats = torch.cat([feats, g_seq], 1)
+    _assert_step_and_chain(head, _reference(loud, model), x, f, f)  # EAGLE-1 reads f_i itself
     # The card holds every draft position's acceptance.
     card = json.loads((out / H.CARD_FILE).read_text())
     assert card["method"] == "eagle"
@@ -198,13 +209,7 @@ def test_eagle3_checkpoint_is_vllm_eagle3_format_and_forward_matches(built3):
     model = H.load_target(target)
     trained = E.load_eagle(out, model)
     assert isinstance(trained, E.Eagle3Head) and trained.aux_layers == AUX3
-    with torch.no_grad():
-        g_ = torch.Generator().manual_seed(1)
-        for p in trained.parameters():
-            p.copy_(torch.randn(p.shape, generator=g_) * 0.3 + (1.0 if p.ndim == 1 else 0.0))
-    loud = out.parent / "eagle3-loud"
-    E.save_eagle(trained, loud, json.loads((target / "config.json").read_text()), {"target": str(target)})
-    head = E.load_eagle(loud, model)
+    head, loud = _loud_copy(trained, "eagle3-loud", out, target, model)
     run, fc = _reference3(loud, model)
     g_ = torch.Generator().manual_seed(0)
     x = torch.randint(3, cfg["vocab_size"], (1, 12), generator=g_)
@@ -216,23 +221,7 @@ def test_eagle3_checkpoint_is_vllm_eagle3_format_and_forward_matches(built3):
     for hook in hooks:
         hook.remove()
     torch.testing.assert_close(aux, torch.cat([entering[a].float() for a in AUX3], -1))
-    with torch.no_grad():
-        hidden = aux @ fc.T
-        g_ref, logits_ref = run(x[:, 1:], hidden[:, :-1])
-        g, logits = head(x[:, 1:], aux[:, :-1])
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(logits, logits_ref, rtol=1e-4, atol=1e-3)
-        K = 3
-        chain = head.chain(x, aux, K)
-        N = x.shape[1] - K
-        for i in (0, 3, N - 1):
-            toks, feats = x[:, 1:i + 2], hidden[:, :i + 1]
-            for m in range(1, K + 1):
-                g_seq, logits_seq = run(toks, feats)
-                torch.testing.assert_close(chain[m - 1][:, i], logits_seq[:, -1], rtol=1e-3, atol=1e-3,
-                                           msg=lambda s: f"start {i} step {m}: {s}")
-                toks = torch.cat([toks, x[:, i + m + 1:i + m + 2]], 1)
-                feats = torch.cat([feats, g_seq[:, -1:]], 1)
+    _assert_step_and_chain(head, run, x, aux, aux @ fc.T)  # the first step's hidden input: fc(aux)
     card = json.loads((out / H.CARD_FILE).read_text())
     assert card["method"] == "eagle3" and card["train"]["aux_layers"] == list(AUX3)
     md = "\n".join(H.section_markdown(card, "t", "h"))
