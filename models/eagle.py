@@ -242,11 +242,25 @@ class Eagle3Head(EagleHead):
         return self.fc(f)
 
     def target_inputs(self, target, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T] -> (cat of the aux layers' states [B, T, len(aux) * d], log p [B, T, V]), float32."""
-        with torch.no_grad():
-            out = target.model(input_ids=x, output_hidden_states=True)
-            aux = torch.cat([out.hidden_states[a].float() for a in self.aux_layers], -1)
-            return aux, F.log_softmax(target.lm_head(out.last_hidden_state.float()).float(), -1)
+        """x [B, T] -> (cat of the aux layers' states [B, T, len(aux) * d], log p [B, T, V]), float32.
+
+        Layer l < L: transformers' ``hidden_states[l]`` (the stream entering layer l). Layer L (the
+        number of layers): the last layer's output before the final norm, as vLLM's Llama hands it
+        out; transformers' ``hidden_states[L]`` is after the norm, so it is hooked instead."""
+        n = target.config.num_hidden_layers
+        last = {}
+        hook = None
+        if n in self.aux_layers:
+            hook = target.model.layers[n - 1].register_forward_hook(
+                lambda module, args, output: last.__setitem__("out", output[0] if isinstance(output, tuple) else output))
+        try:
+            with torch.no_grad():
+                out = target.model(input_ids=x, output_hidden_states=True)
+        finally:
+            if hook is not None:
+                hook.remove()
+        states = [(last["out"] if a == n else out.hidden_states[a]).float() for a in self.aux_layers]
+        return torch.cat(states, -1), F.log_softmax(target.lm_head(out.last_hidden_state.float()).float(), -1)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -408,8 +422,8 @@ def main(argv=None) -> int:
                     help="eagle: an EAGLE-1 head (default); eagle3: an EAGLE-3 head, reading the target's "
                          "--aux-layers, served by vLLM's method \"eagle3\"")
     ap.add_argument("--aux-layers", type=int, nargs="+", default=None,
-                    help="eagle3: the target layers whose residual stream the head reads (default vLLM's "
-                         "for Llama: 2, L // 2, L - 3)")
+                    help="eagle3: the target layers whose residual stream the head reads: l < L the stream "
+                         "entering layer l, L the last layer's output (default vLLM's for Llama: 2, L // 2, L - 3)")
     ap.add_argument("--reg-weight", type=float, default=None,
                     help="weight of the smooth-L1 feature regression next to the KL (default 1.0 for eagle; "
                          "eagle3 has none: 0)")
@@ -423,8 +437,10 @@ def main(argv=None) -> int:
     eagle3 = args.method == "eagle3"
     layers = target_cfg["num_hidden_layers"]
     aux_layers = tuple(args.aux_layers or default_aux_layers(layers))
-    if eagle3 and (len(set(aux_layers)) != len(aux_layers) or not all(0 <= a < layers for a in aux_layers)):
-        raise SystemExit(f"eagle: --aux-layers {list(aux_layers)} must be distinct layers of 0..{layers - 1}")
+    # l < L: the stream entering layer l; L: the last layer's output (vLLM 0.32's Llama hands out both).
+    if eagle3 and (len(set(aux_layers)) != len(aux_layers) or not all(0 <= a <= layers for a in aux_layers)):
+        raise SystemExit(f"eagle: --aux-layers {list(aux_layers)} must be distinct layers of 0..{layers} "
+                         f"({layers}: the last layer's output)")
     if not eagle3 and args.aux_layers:
         raise SystemExit("eagle: --aux-layers applies to --method eagle3 only")
     if args.reg_weight is None:

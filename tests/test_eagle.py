@@ -140,7 +140,7 @@ def test_checkpoint_is_vllm_eagle_format_and_forward_matches(built):
 # input_layernorm and hidden_norm, q/k/v over 2d inputs, its own final norm and LM head.
 EXPECTED3 = EXPECTED | {"layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight", "norm.weight",
                         "lm_head.weight"}
-AUX3 = (0, 1, 3)
+AUX3 = (0, 2, 4)  # of a 4-layer target: entering layers 0 and 2, and the last layer's output (4)
 
 
 @pytest.fixture(scope="module")
@@ -213,10 +213,13 @@ def test_eagle3_checkpoint_is_vllm_eagle3_format_and_forward_matches(built3):
     run, fc = _reference3(loud, model)
     g_ = torch.Generator().manual_seed(0)
     x = torch.randint(3, cfg["vocab_size"], (1, 12), generator=g_)
-    entering = {}
+    entering = {}  # layer a < L: the stream entering it; a = L: the last layer's output (before the final norm)
+    L = model.config.num_hidden_layers
     hooks = [model.model.layers[a].register_forward_pre_hook(
         lambda module, args, kwargs, a=a: entering.__setitem__(a, (kwargs.get("hidden_states") if not args else args[0])),
-        with_kwargs=True) for a in AUX3]
+        with_kwargs=True) for a in AUX3 if a < L]
+    hooks += [model.model.layers[L - 1].register_forward_hook(
+        lambda module, args, output: entering.__setitem__(L, output[0] if isinstance(output, tuple) else output))]
     aux, _ = head.target_inputs(model, x)
     for hook in hooks:
         hook.remove()
@@ -232,7 +235,7 @@ def test_eagle3_options_are_checked(tmp_path):
     target = make_random_llama(tmp_path / "target", seed=0, num_layers=4)
     base = ["--target", str(target), "--out", str(tmp_path / "out"), "--data", "self", "--tokens", "64"]
     for extra, message in ((["--method", "eagle3"], "distinct layers"),  # vLLM's default (2, 2, 1) for 4 layers
-                           (["--method", "eagle3", "--aux-layers", "0", "4"], "distinct layers"),
+                           (["--method", "eagle3", "--aux-layers", "0", "5"], "distinct layers"),  # 4: the last output
                            (["--aux-layers", "0", "1"], "eagle3 only"),
                            (["--method", "eagle3", "--aux-layers", "0", "1", "--reg-weight", "1"], "no feature regression")):
         with pytest.raises(SystemExit, match=message):

@@ -56,7 +56,9 @@ def _engine(model: str, gamma: int, eager: bool, extra: dict, proposer: str = "f
         spec = {"method": "custom_class", "model": REPEAT, "num_speculative_tokens": gamma}
     elif proposer == "plugin":
         spec = {"method": "custom_class", "model": PLUGIN, "num_speculative_tokens": gamma}
-        extra.setdefault("specplugin", {}).setdefault("drafts", [draft])
+        options = extra.setdefault("specplugin", {})
+        if not any(key in options for key in ("eagle_head", "medusa_heads")):  # a heads drafter drafts alone
+            options.setdefault("drafts", [draft])
     else:
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": gamma,
                 "draft_sample_method": "probabilistic"}

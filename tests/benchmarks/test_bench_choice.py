@@ -14,7 +14,9 @@ more without their cache of past requests (vLLM: ``suffix_decoding_max_cached_re
 plugin: ``corpus_requests`` 0); and the choice with tree drafting (the suffix chain, draft-prose's
 dynamic tree of 6 nodes verified whole, or nothing). For the T = 1 side (``-k draft-code``): vLLM's
 ``draft_model`` with draft-code (γ 6), draft-code's chains of 6 and 8 in bfloat16, its dynamic
-trees of 8 and 12 nodes in float32 and bfloat16, and the choice over its bfloat16 tree of 8 or 12.
+trees of 8 and 12 nodes in float32 and bfloat16, the choice over its bfloat16 tree of 8 or 12, adaptive
+γ up to 8 (cost model and thresholds) and the draft-code + draft-prose ensemble with per-request weights
+(γ 6), both in bfloat16.
 The rounds repeat the same requests, so at T = 0 a cache of past
 requests drafts a round's greedy outputs from the round before, which first-seen traffic does not get.
 Workloads as in the baseline (4 held-out prompts per category, 40 tokens, batch 1; ``mixed-T0`` /
@@ -80,6 +82,13 @@ CONFIGS = [
     *[plugin_config(f"choice: suffix + draft-code's tree of {n}, k {n}, bfloat16", ["demo-mix/draft-code"], n,
                     suffix_drafting={}, draft_dtype="bfloat16",
                     tree_drafting={"verify": "tree", "shape": "dynamic", "node_budget": n}) for n in (8, 12)],
+    # The strategies on the T = 1 side, bfloat16 like the best chain: adaptive γ up to 8 by the cost
+    # model and by thresholds (per request: on the mixed workload a code request and a creative one
+    # at T = 1.3 accept differently), and the code + prose ensemble with per-request weights, γ 6.
+    *[plugin_config(f"plugin draft-code adaptive γ ≤ 8 ({mode}), bfloat16", ["demo-mix/draft-code"], 8,
+                    draft_dtype="bfloat16", adaptive_gamma={"mode": mode}) for mode in ("cost_model", "threshold")],
+    plugin_config("plugin draft-code + draft-prose ensemble γ 6, per-request weights, bfloat16",
+                  ["demo-mix/draft-code", "demo-mix/draft-prose"], 6, draft_dtype="bfloat16", adapt_draft_weights=True),
     # The same with the i.i.d. model prior of before 7 Dec (model_run_prior = model_prior), for the A/B.
     plugin_config(f"choice: suffix + draft-prose's tree of {CHOICE_GAMMA}, k {CHOICE_GAMMA}, i.i.d. prior",
                   ["demo-mix/draft-prose"], CHOICE_GAMMA, suffix_drafting={"model_run_prior": 0.6},
