@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
 from vllm_specplugin.proposers.eagle_head import HeadCheckpointError
+from vllm_specplugin.proposers.lean_llama import TORCH_KERNELS, LeanKernels
 from vllm_specplugin.proposers.metrics import DraftMetrics, accepted_count
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
 
@@ -38,11 +39,19 @@ from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, 
 class MedusaHeadsProposer(Proposer):
     """Drafts from Medusa heads (see the module docstring)."""
 
-    def __init__(self, checkpoint: str | Path, device: str | torch.device = "cpu", name: str | None = None):
+    def __init__(self, checkpoint: str | Path, device: str | torch.device = "cpu", name: str | None = None,
+                 kernels: LeanKernels | None = None, dtype: torch.dtype | str = torch.float32):
         from safetensors.torch import load_file
 
         path = Path(checkpoint)
         self.device = torch.device(device)
+        # The dtype the heads compute in (their checkpoint is bfloat16; the distributions are
+        # softmaxed in float32 either way) and the products' kernels: torch's by default, vLLM's
+        # prepacked oneDNN products from the vLLM adapter (vllm_specplugin/draft_kernels.py), as for
+        # an EAGLE head. A step at batch 1 is memory-bound: the shared LM head (V x d) is most of it.
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"MedusaHeadsProposer dtype must be float32, bfloat16 or float16, got {self.dtype}")
         for needed in ("config.json", "model.safetensors"):
             if not (path / needed).is_file():
                 raise HeadCheckpointError(f"Medusa heads checkpoint {path}: {needed} is missing")
@@ -55,25 +64,32 @@ class MedusaHeadsProposer(Proposer):
         tensors = load_file(str(path / "model.safetensors"))
         self.num_heads, layers = int(cfg["num_heads"]), int(cfg["num_hidden_layers"])
         try:
-            self.blocks = [[(tensors[f"blocks.{j}.layers.{l}.weight"].to(self.device, torch.float32),
-                             tensors[f"blocks.{j}.layers.{l}.bias"].to(self.device, torch.float32))
-                            for l in range(layers)] for j in range(self.num_heads)]
-            self.lm_head = tensors["lm_head.weight"].to(self.device, torch.float32)  # [V, d]
+            blocks = [[(tensors[f"blocks.{j}.layers.{l}.weight"].to(self.device, self.dtype),
+                        tensors[f"blocks.{j}.layers.{l}.bias"].to(self.device, self.dtype))
+                       for l in range(layers)] for j in range(self.num_heads)]
+            lm_head = tensors["lm_head.weight"].to(self.device, self.dtype)  # [V, d]
         except KeyError as exc:
             raise HeadCheckpointError(f"Medusa heads {path}: weight {exc} is missing") from None
+        self.kernels = kernels or TORCH_KERNELS
+        linear = self.kernels.linear
+        self._blocks = [[(linear(weight), bias) for weight, bias in block] for block in blocks]  # per head, per layer
+        self._lm = linear(lm_head)
+        self.lm_head = lm_head
         self.hidden_size = int(cfg["hidden_size"])
         self.vocab_size = int(self.lm_head.shape[0])
         self.name = name or path.name
         self.metrics = DraftMetrics([self.name])
         self._state: dict[str, tuple[int, torch.Tensor]] = {}  # request id -> (position, h [d])
-        self._dists: dict[str, torch.Tensor] = {}  # request id -> this step's T = 1 head distributions [k, V]
+        # request id -> this step's T = 1 distributions of heads 0..k-1, [k, V] float32 (k grows on demand)
+        self._dists: dict[str, torch.Tensor] = {}
+        self._depth: dict[str, int] = {}  # request id -> the heads this step will read (from room())
         self._pending: dict[str, tuple[int, list[int]]] = {}
         self._last_call: tuple[float, set[str]] | None = None
 
     # -- the Proposer interface --------------------------------------------------------------
 
     def free(self, request_id: str) -> None:
-        for table in (self._state, self._dists, self._pending):
+        for table in (self._state, self._dists, self._pending, self._depth):
             table.pop(request_id, None)
 
     def tracked_request_ids(self) -> set[str]:
@@ -119,10 +135,13 @@ class MedusaHeadsProposer(Proposer):
     def room(self, request_id: str, context_length: int, gamma: int) -> int:
         """Up to the number of heads, when the request has the state of its newest verified position."""
         state = self._state.get(request_id)
-        return min(gamma, self.num_heads) if state is not None and state[0] == context_length - 2 else 0
+        room = min(gamma, self.num_heads) if state is not None and state[0] == context_length - 2 else 0
+        self._depth[request_id] = room  # the heads to compute in one pass (one read of the LM head)
+        return room
 
     def root_distributions(self, request_ids: Sequence[str], contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Head 0's unprocessed (T = 1) distribution per request: [len(ids), V] float32."""
+        self._compute(request_ids, 1)
         return torch.stack([self._distributions(rid)[0] for rid in request_ids])
 
     def branch_distributions_of(self, items) -> list[torch.Tensor]:
@@ -135,8 +154,9 @@ class MedusaHeadsProposer(Proposer):
         """Chains: token j drawn from head j's distribution processed with the request's parameters
         (``row_params`` instead for the rows, as EnsembleProposer.draw_chains), the argmax for a
         greedy request; written to ``drafts[index]`` for each (index, request, gamma) of ``active``."""
+        self._compute([request.request_id for _, request, _ in active], 1)
         for i, (index, request, gamma) in enumerate(active):
-            dists = self._distributions(request.request_id)[:gamma]  # [gamma, V]
+            dists = self._distributions(request.request_id, gamma)  # [gamma, V]
             q = processed_probs(dists.log(), row_params[i] if row_params else request.params)
             if request.params.greedy:
                 tokens = q.argmax(-1).tolist()
@@ -152,19 +172,34 @@ class MedusaHeadsProposer(Proposer):
 
     # -- the heads ---------------------------------------------------------------------------
 
-    def _distributions(self, request_id: str) -> torch.Tensor:
-        """Every head's T = 1 distribution from the request's newest state: [num_heads, V] float32."""
-        dists = self._dists.get(request_id)
-        if dists is None:
-            h = self._state[request_id][1]
-            outs = []
-            for block in self.blocks:
-                x = h
-                for weight, bias in block:
-                    x = x + F.silu(x @ weight.T + bias)
-                outs.append(x)
-            dists = self._dists[request_id] = (torch.stack(outs) @ self.lm_head.T).softmax(-1)
-        return dists
+    def _distributions(self, request_id: str, heads: int | None = None) -> torch.Tensor:
+        """The T = 1 distributions of heads 0..heads-1 (default: every head) from the request's newest
+        state: [heads, V] float32, computed on first need."""
+        heads = self.num_heads if heads is None else heads
+        self._compute([request_id], heads)
+        return self._dists[request_id][:heads]
+
+    def _compute(self, request_ids: Sequence[str], heads: int) -> None:
+        """Compute, for the requests that lack them, their heads' distributions up to at least
+        ``heads`` and up to the depth room() granted this step, all requests and heads in one pass
+        per product: each head's residual blocks over the stacked states [R, d], then one LM head
+        product over [R * k, d] (the weights are read once per step, not once per request or head)."""
+        need = [rid for rid in request_ids
+                if rid not in self._dists or self._dists[rid].shape[0] < min(heads, self.num_heads)]
+        if not need:
+            return
+        k = min(self.num_heads, max(max(heads, self._depth.get(rid, 0)) for rid in need))
+        h = torch.stack([self._state[rid][1] for rid in need]).to(self.dtype)  # [R, d]
+        outs = []
+        for block in self._blocks[:k]:
+            x = h
+            for linear, bias in block:
+                x = x + F.silu(linear(x) + bias)
+            outs.append(x)
+        stacked = torch.stack(outs, 1).reshape(len(need) * k, -1).contiguous()  # [R * k, d], request-major
+        dists = self._lm(stacked).float().softmax(-1).view(len(need), k, -1)
+        for i, rid in enumerate(need):
+            self._dists[rid] = dists[i]
 
     def _observe(self, request: DraftRequest) -> None:
         pending = self._pending.pop(request.request_id, None)

@@ -122,3 +122,38 @@ def test_medusa_heads_in_the_drafter_choice_draft_from_the_newest_state(pair):
     want, = MedusaHeadsProposer(path).propose([DraftRequest("r", seq, 3, greedy, hidden_states=f[20:21], hidden_start=20)])
     assert draft.token_ids == want.token_ids
     torch.testing.assert_close(draft.probs, want.probs)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_requests_drafted_together_in_one_pass_as_each_alone(pair, dtype):
+    """A step's requests share one pass over the heads: their states stacked, one LM head product
+    for every request and head (the weights read once per step); each request's distributions are
+    what it gets drafted alone, in the heads' dtype on the kernels the plugin would choose (vLLM's
+    oneDNN products where they run here), and within that dtype's rounding of the float32 heads."""
+    from vllm_specplugin.draft_kernels import draft_kernels
+
+    target, path = pair
+    kernels = draft_kernels("auto", "cpu", dtype)
+    fast = MedusaHeadsProposer(path, kernels=kernels, dtype=dtype)
+    reference = MedusaHeadsProposer(path)  # float32, torch's products
+    calls = []
+    lm = fast._lm
+    fast._lm = lambda x: calls.append(tuple(x.shape)) or lm(x)
+    contexts = [list(range(3, 15)), list(range(20, 29)), list(range(40, 60))]
+    gammas, params = [3, 2, 1], [SamplingParams(0.0), SamplingParams(0.8, 20, 0.9), SamplingParams(1.0)]
+
+    def requests(tag):
+        return [DraftRequest(f"{tag}{i}", c, g, p, torch.Generator().manual_seed(i),
+                             hidden_states=_states(target, c)[:len(c) - 1], hidden_start=0)
+                for i, (c, g, p) in enumerate(zip(contexts, gammas, params))]
+
+    together = fast.propose(requests("t"))
+    assert calls == [(3 * 3, target.config.hidden_size)]  # 3 requests x the deepest request's 3 heads, one product
+    tolerance = {"float32": dict(atol=2e-5, rtol=1e-4), "bfloat16": dict(atol=3e-2, rtol=0.0)}[dtype]
+    for i, request in enumerate(requests("a")):
+        alone, = fast.propose([request])
+        assert together[i].token_ids == alone.token_ids
+        torch.testing.assert_close(together[i].probs, alone.probs, atol=1e-5, rtol=1e-4)
+        want, = reference.propose([request])
+        torch.testing.assert_close(alone.probs, want.probs, **tolerance)

@@ -124,20 +124,23 @@ class MultiDraftProposer(CustomClassAdapter):
         self._target_states = None
         self._draft_kernels = None
         if self.config.eagle_head or self.config.medusa_heads:
+            from vllm_specplugin.draft_kernels import draft_kernels
+
+            # A heads drafter runs in draft_dtype on the kernels draft_kernels chooses, as the
+            # draft models do.
+            dtype = self.config.draft_dtype
+            kernels = self._draft_kernels = draft_kernels(self.config.draft_kernels, device, dtype)
             if self.config.eagle_head:
-                from vllm_specplugin.draft_kernels import draft_kernels
                 from vllm_specplugin.proposers.eagle_head import EagleHeadProposer
 
-                # The target's embedding and LM head come at load_model(); see there. The head
-                # runs in draft_dtype on the kernels draft_kernels chooses, as the draft models do.
-                dtype = self.config.draft_dtype
-                kernels = self._draft_kernels = draft_kernels(self.config.draft_kernels, device, dtype)
+                # The target's embedding and LM head come at load_model(); see there.
                 proposer = self.head = EagleHeadProposer(self.config.eagle_head, device=device, kernels=kernels,
                                                          dtype=dtype)
             else:
                 from vllm_specplugin.proposers.medusa_heads import MedusaHeadsProposer
 
-                proposer = self.head = MedusaHeadsProposer(self.config.medusa_heads, device=device)
+                proposer = self.head = MedusaHeadsProposer(self.config.medusa_heads, device=device, kernels=kernels,
+                                                           dtype=dtype)
             if self.config.tree_drafting is not None:
                 proposer = _tree_proposer(self.head, self.config)
             runtimes, names, weights = [], [self.head.name], [1.0]

@@ -77,9 +77,9 @@ class SpecPluginConfig:
     medusa_heads: str | None = None
     # Mixture weights of the drafts; default uniform. Must match `drafts` in length.
     draft_weights: tuple[float, ...] | None = None
-    # dtype the drafts run in (an eagle_head drafter too).
+    # dtype the drafts run in (an eagle_head or medusa_heads drafter too).
     draft_dtype: str = "float32"
-    # The kernels of the drafts' lean forward and of an eagle_head drafter: "vllm" (vLLM's
+    # The kernels of the drafts' lean forward and of a heads drafter (eagle_head, medusa_heads): "vllm" (vLLM's
     # own CPU kernels: prepacked oneDNN products, RMSNorm, RoPE, SiLU-and-mul; about 2x faster for a
     # draft at batch 1), "torch", or
     # "auto" (vLLM's for float32 and bfloat16 drafts on CPU where this vLLM has them and this CPU
