@@ -219,3 +219,30 @@ served_heads_side_by_side = served_fixture(
 def test_throughput_heads_side_by_side(benchmark, bench_results, served_heads_side_by_side, batch, temperature):
     heads_at_batch_one(benchmark, bench_results, "throughput_heads_side_by_side", served_heads_side_by_side, batch,
                        temperature)
+
+
+# --- a candidate EAGLE-3 head against the shipped one, in one run ----------------------------
+# A new training's head (SPECPLUGIN_BENCH_EAGLE3_CANDIDATE: its exported directory; the group is
+# skipped without it) beside models/demo-mb/eagle3, each served by vLLM's eagle3 (k = 3) and by the
+# plugin (chain of 3, dynamic tree of 8, bfloat16), with vLLM's eagle k = 8 and the plugin's EAGLE-1
+# tree of 8 (the long head) for issue 33's tree goal, at batch 1, T = 0 and 1.
+#
+#     SPECPLUGIN_BENCH_EAGLE3_CANDIDATE=DIR BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -k eagle3_candidate -s
+
+EAGLE3_CANDIDATE = os.environ.get("SPECPLUGIN_BENCH_EAGLE3_CANDIDATE")
+EAGLE3_SHIPPED = os.path.join(DEMO_MB, "eagle3")
+served_eagle3_candidate = served_fixture(
+    [ServedConfig("plain"), vllm_eagle_config(EAGLE_LONG_MB, 8),
+     plugin_eagle_config(EAGLE_LONG_MB, 8, {"shape": "dynamic"}, dtype="bfloat16")]
+    + [config for head in (EAGLE3_SHIPPED, EAGLE3_CANDIDATE or EAGLE3_SHIPPED)
+       for config in (vllm_eagle3_config(head, 3), plugin_eagle_config(head, dtype="bfloat16"),
+                      plugin_eagle_config(head, 8, {"shape": "dynamic"}, dtype="bfloat16"))],
+    target=os.path.join(DEMO_MB, "target"))
+
+
+@pytest.mark.skipif(EAGLE3_CANDIDATE is None, reason="SPECPLUGIN_BENCH_EAGLE3_CANDIDATE (a candidate EAGLE-3 head's "
+                    "directory) is not set")
+@pytest.mark.parametrize("batch,temperature", HEAD_WORKLOADS, ids=[f"batch{b}-T{t:g}" for b, t in HEAD_WORKLOADS])
+def test_throughput_eagle3_candidate(benchmark, bench_results, served_eagle3_candidate, batch, temperature):
+    heads_at_batch_one(benchmark, bench_results, "throughput_eagle3_candidate", served_eagle3_candidate, batch,
+                       temperature)
