@@ -213,7 +213,10 @@ def main(argv=None) -> int:
             print(f"\n=== profile, gamma {gamma} ===\n{res['profile']}")
     plain = results.get(0, {}).get("best_median_step_ms")
     mode = "eager" if args.eager else "compiled"
-    drafts = {"free": f"drafts free ({REPEAT})", "plugin": f"the plugin's proposer, draft {draft}",
+    options = (args.additional_config or {}).get("specplugin", {})
+    heads = options.get("eagle_head") or options.get("medusa_heads")  # a heads drafter drafts alone
+    drafts = {"free": f"drafts free ({REPEAT})",
+              "plugin": f"the plugin's proposer, {f'heads {heads}' if heads else f'draft {draft}'}",
               "draft_model": f"vLLM draft_model, draft {draft}"}[args.proposer]
     threads = args.threads or served_threads()
     print(f"\nmodel {model}, {mode}, batch {args.batch}, T={args.temperature:g}, {threads} thread(s), {drafts}; best of {args.rounds} rounds "
