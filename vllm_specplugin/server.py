@@ -2,7 +2,8 @@
 
 Starts ``specplugin-vllm serve`` (vLLM's own CLI) in its own process group, in the caller's
 current directory (relative model paths mean what they mean to the caller), waits for /health,
-and always shuts the whole group down on exit, even when the body raises.
+and always shuts the whole group down on exit, even when the body raises; on Linux the server
+also shuts down when the process that started it dies (``spawn_tied_to_parent``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,30 @@ def engine_env() -> dict:
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
+
+
+# Run in the child before it becomes the server: on Linux, ask the kernel to send SIGINT (the
+# server's graceful shutdown, as stop() sends) when the parent that started it dies, so that a
+# killed caller (a benchmark stopped by kill, a crashed test run) leaves no server behind; the
+# server runs in its own session, so nothing else would stop it. Then exec the real command.
+_TIE_TO_PARENT = """
+import ctypes, os, signal, sys
+parent = int(sys.argv[1])
+ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGINT))  # PR_SET_PDEATHSIG
+if os.getppid() != parent:  # the parent died before the tie was made
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def spawn_tied_to_parent(args: list[str], **popen_kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(args, **popen_kwargs)``, except that on Linux the child gets SIGINT when
+    this process dies (``prctl(PR_SET_PDEATHSIG)``, kept across exec; set in the child before the
+    exec rather than by a ``preexec_fn``, which is unsafe in a process with threads). Elsewhere
+    plain Popen."""
+    if sys.platform.startswith("linux"):
+        args = [sys.executable, "-c", _TIE_TO_PARENT, str(os.getpid()), *args]
+    return subprocess.Popen(args, **popen_kwargs)
 
 
 def free_port() -> int:
@@ -87,7 +112,7 @@ class VllmServer:
         require_demo_models(self.model, (self.speculative_config or {}).get("model"), *plugin.get("drafts", []))
         for attempt in range(1, PORT_ATTEMPTS + 1):
             self._log = open(self.log_path, "w")
-            self.process = subprocess.Popen(
+            self.process = spawn_tied_to_parent(
                 self.args, env={**engine_env(), **self.extra_env}, stdout=self._log,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )

@@ -1,0 +1,51 @@
+"""vllm_specplugin/server.py: a server process started by VllmServer does not outlive the process
+that started it (a benchmark stopped by kill once left two idle servers running beside the next
+benchmarks). Checked with a stand-in child (a sleeping Python) started the same way, in its own
+session as the server is; a real server was checked by hand the same way (its whole process group
+gone within 15 s of its starter's SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+
+STARTER = """
+import sys, time
+from vllm_specplugin.server import spawn_tied_to_parent
+child = spawn_tied_to_parent([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_the_child_dies_with_the_process_that_started_it():
+    starter = subprocess.Popen([sys.executable, "-c", STARTER], stdout=subprocess.PIPE, text=True,
+                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = int(starter.stdout.readline())
+    try:
+        time.sleep(1.0)  # past the tie, in the child's exec'd program
+        assert _running(child), "the stand-in child did not start"
+        starter.kill()  # SIGKILL: no clean-up of its own runs
+        starter.wait()
+        deadline = time.monotonic() + 10
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(child), "the child outlived the process that started it"
+    finally:
+        starter.kill()
+        if _running(child):
+            os.kill(child, 9)
