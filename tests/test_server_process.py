@@ -2,7 +2,8 @@
 that started it (a benchmark stopped by kill once left two idle servers running beside the next
 benchmarks). Checked with a stand-in child (a sleeping Python) started the same way, in its own
 session as the server is; a real server was checked by hand the same way (its whole process group
-gone within 15 s of its starter's SIGKILL)."""
+gone within 15 s of its starter's SIGKILL). The kernel ties a child to the thread that started it,
+so a server started from a thread that then ends (the soak's) must not be tied at all."""
 
 from __future__ import annotations
 
@@ -16,10 +17,20 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
 STARTER = """
-import sys, time
+import sys, threading, time
 from vllm_specplugin.server import spawn_tied_to_parent
-child = spawn_tied_to_parent([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-print(child.pid, flush=True)
+children = []
+def start():
+    children.append(spawn_tied_to_parent([sys.executable, "-c", "import time; time.sleep(600)"],
+                                         start_new_session=True))
+    time.sleep(1.5)  # as VllmServer.__enter__ waits for /health: the child is past its start-up
+if sys.argv[1] == "thread":  # started from a thread that then ends, as the soak starts its servers
+    starter = threading.Thread(target=start)
+    starter.start()
+    starter.join()
+else:
+    start()
+print(children[0].pid, flush=True)
 time.sleep(600)
 """
 
@@ -32,10 +43,28 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_the_child_dies_with_the_process_that_started_it():
-    starter = subprocess.Popen([sys.executable, "-c", STARTER], stdout=subprocess.PIPE, text=True,
+def _start(how: str) -> tuple[subprocess.Popen, int]:
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, how], stdout=subprocess.PIPE, text=True,
                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    child = int(starter.stdout.readline())
+    return starter, int(starter.stdout.readline())
+
+
+def test_a_child_started_from_a_thread_outlives_that_thread():
+    """The kernel ties a child to the thread that started it: from a thread that ends, no tie (the
+    soak's servers must keep running after their starter threads end)."""
+    starter, child = _start("thread")
+    try:
+        time.sleep(2.0)
+        assert _running(child), "the child died with the thread that started it"
+    finally:
+        starter.kill()
+        starter.wait()
+        if _running(child):
+            os.kill(child, 9)
+
+
+def test_the_child_dies_with_the_process_that_started_it():
+    starter, child = _start("main")
     try:
         time.sleep(1.0)  # past the tie, in the child's exec'd program
         assert _running(child), "the stand-in child did not start"

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -46,11 +47,12 @@ os.execvp(sys.argv[2], sys.argv[2:])
 
 
 def spawn_tied_to_parent(args: list[str], **popen_kwargs) -> subprocess.Popen:
-    """``subprocess.Popen(args, **popen_kwargs)``, except that on Linux the child gets SIGINT when
-    this process dies (``prctl(PR_SET_PDEATHSIG)``, kept across exec; set in the child before the
-    exec rather than by a ``preexec_fn``, which is unsafe in a process with threads). Elsewhere
-    plain Popen."""
-    if sys.platform.startswith("linux"):
+    """``subprocess.Popen(args, **popen_kwargs)``, except that on Linux, called from the main thread,
+    the child gets SIGINT when this process dies (``prctl(PR_SET_PDEATHSIG)``, kept across exec; set
+    in the child before the exec rather than by a ``preexec_fn``, which is unsafe in a process with
+    threads). The kernel ties the child to the *thread* that started it, so from any other thread
+    (the soak starts its servers from threads that then end) and elsewhere: plain Popen."""
+    if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
         args = [sys.executable, "-c", _TIE_TO_PARENT, str(os.getpid()), *args]
     return subprocess.Popen(args, **popen_kwargs)
 
