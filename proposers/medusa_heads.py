@@ -142,13 +142,14 @@ class MedusaHeadsProposer(Proposer):
     def root_distributions(self, request_ids: Sequence[str], contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Head 0's unprocessed (T = 1) distribution per request: [len(ids), V] float32."""
         self._compute(request_ids, 1)
-        return torch.stack([self._distributions(rid)[0] for rid in request_ids])
+        return torch.stack([self._distributions(rid, 1)[0] for rid in request_ids])
 
     def branch_distributions_of(self, items) -> list[torch.Tensor]:
         """Per (request id, context, paths): the distribution after each path, head len(path)'s:
         [len(paths), V] float32 (a path as deep as the heads has none: TreeProposer's depth is capped
         by :meth:`room`)."""
-        return [torch.stack([self._distributions(rid)[len(path)] for path in paths]) for rid, _, paths in items]
+        return [torch.stack([self._distributions(rid, len(path) + 1)[len(path)] for path in paths])
+                for rid, _, paths in items]
 
     def draw_chains(self, active, drafts: list[Draft], row_params: list[SamplingParams] | None = None) -> None:
         """Chains: token j drawn from head j's distribution processed with the request's parameters

@@ -157,3 +157,25 @@ def test_requests_drafted_together_in_one_pass_as_each_alone(pair, dtype):
         torch.testing.assert_close(together[i].probs, alone.probs, atol=1e-5, rtol=1e-4)
         want, = reference.propose([request])
         torch.testing.assert_close(alone.probs, want.probs, **tolerance)
+
+
+@torch.no_grad()
+def test_a_tree_shallower_than_the_heads_reads_the_lm_head_once_per_step(pair):
+    """A tree whose depth room() caps below the number of heads computes the heads it may read in
+    the root's pass: growing it asks for no second LM head product (a default of every head in the
+    tree's lookups once recomputed each request's heads from scratch)."""
+    from vllm_specplugin.proposers.tree import TreeProposer
+
+    target, path = pair
+    proposer = MedusaHeadsProposer(path)  # 3 heads
+    calls = []
+    lm = proposer._lm
+    proposer._lm = lambda x: calls.append(tuple(x.shape)) or lm(x)
+    tree = TreeProposer(proposer, node_budget=6, branching=2, verify="tree")
+    context = list(range(5, 17))
+    f = _states(target, context)
+    request = DraftRequest("r", context, 2, SamplingParams(1.0), torch.Generator().manual_seed(3), tree_ok=True,
+                           hidden_states=f[:len(context) - 1], hidden_start=0)  # γ 2: depth 2 of 3 heads
+    draft, = tree.propose([request])
+    assert len(draft.token_ids) >= 2  # a tree was grown
+    assert calls == [(2, target.config.hidden_size)]  # one product, the 2 heads the tree may read
