@@ -38,6 +38,13 @@ from vllm_specplugin.server import engine_env
 REPEAT = "vllm_specplugin.adapters.RepeatLastTokenProposer"
 PLUGIN = "vllm_specplugin.adapters.MultiDraftProposer"
 PROPOSERS = ("free", "plugin", "draft_model")
+HEADS_DRAFTERS = ("eagle_head", "medusa_heads")  # plugin options that draft alone, without --draft
+
+
+def heads_drafter(extra: dict | None) -> str | None:
+    """The heads checkpoint an --additional-config names (a heads drafter drafts alone), or None."""
+    options = (extra or {}).get("specplugin", {})
+    return next((options[key] for key in HEADS_DRAFTERS if options.get(key)), None)
 
 
 def served_threads() -> int:
@@ -56,9 +63,8 @@ def _engine(model: str, gamma: int, eager: bool, extra: dict, proposer: str = "f
         spec = {"method": "custom_class", "model": REPEAT, "num_speculative_tokens": gamma}
     elif proposer == "plugin":
         spec = {"method": "custom_class", "model": PLUGIN, "num_speculative_tokens": gamma}
-        options = extra.setdefault("specplugin", {})
-        if not any(key in options for key in ("eagle_head", "medusa_heads")):  # a heads drafter drafts alone
-            options.setdefault("drafts", [draft])
+        if heads_drafter(extra) is None:
+            extra.setdefault("specplugin", {}).setdefault("drafts", [draft])
     else:
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": gamma,
                 "draft_sample_method": "probabilistic"}
@@ -213,8 +219,7 @@ def main(argv=None) -> int:
             print(f"\n=== profile, gamma {gamma} ===\n{res['profile']}")
     plain = results.get(0, {}).get("best_median_step_ms")
     mode = "eager" if args.eager else "compiled"
-    options = (args.additional_config or {}).get("specplugin", {})
-    heads = options.get("eagle_head") or options.get("medusa_heads")  # a heads drafter drafts alone
+    heads = heads_drafter(args.additional_config)
     drafts = {"free": f"drafts free ({REPEAT})",
               "plugin": f"the plugin's proposer, {f'heads {heads}' if heads else f'draft {draft}'}",
               "draft_model": f"vLLM draft_model, draft {draft}"}[args.proposer]

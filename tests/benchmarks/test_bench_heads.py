@@ -190,7 +190,8 @@ def test_throughput_medusa_heads_plugin(benchmark, bench_results, served_medusa_
 #
 #     BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -k heads_side_by_side -s
 
-EAGLE3_MB = os.environ.get("SPECPLUGIN_BENCH_EAGLE3_DIR", os.path.join(DEMO_MB, "eagle3"))
+EAGLE3_SHIPPED = os.path.join(DEMO_MB, "eagle3")
+EAGLE3_MB = os.environ.get("SPECPLUGIN_BENCH_EAGLE3_DIR", EAGLE3_SHIPPED)
 EAGLE_LONG_MB = os.path.join(DEMO_MB, "eagle-long")
 MEDUSA_LONG_MB = os.path.join(DEMO_MB, "medusa-long")
 
@@ -230,7 +231,6 @@ def test_throughput_heads_side_by_side(benchmark, bench_results, served_heads_si
 #     SPECPLUGIN_BENCH_EAGLE3_CANDIDATE=DIR BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_heads.py -k eagle3_candidate -s
 
 EAGLE3_CANDIDATE = os.environ.get("SPECPLUGIN_BENCH_EAGLE3_CANDIDATE")
-EAGLE3_SHIPPED = os.path.join(DEMO_MB, "eagle3")
 served_eagle3_candidate = served_fixture(
     [ServedConfig("plain"), vllm_eagle_config(EAGLE_LONG_MB, 8),
      plugin_eagle_config(EAGLE_LONG_MB, 8, {"shape": "dynamic"}, dtype="bfloat16")]
