@@ -40,6 +40,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Defaults of the DraftRuntime parameters of the same names (documented there).
 SOLO_PREFILL_THRESHOLD = 16
 KV_CHUNK_TOKENS = 256
+LOG_FLOOR = -27.631021115928547  # log(1e-12): the least a scored token counts (mean_log_likelihood)
 
 
 class DraftModelError(ValueError):
@@ -550,6 +551,23 @@ class DraftRuntime:
         inside = tokens < self.draft_vocab_size
         logits = self.lean.token_logits(hidden, tokens.clamp(max=self.draft_vocab_size - 1))
         return logits.masked_fill(~inside, float("-inf"))
+
+    @torch.no_grad()
+    def mean_log_likelihood(self, tokens: Sequence[int]) -> float:
+        """Mean log q(t[i + 1] | t[..i]) over ``tokens`` (target ids, at least 2): how well this draft
+        predicts a text, for routing a request to the draft that fits its prompt
+        (:class:`~vllm_specplugin.proposers.ensemble.EnsembleProposer`'s ``route``). One forward of
+        ``tokens`` alone through the checkpoint's own model: no request's cache is read or written.
+        A token the draft lacks counts as log 1e-12."""
+        if len(tokens) < 2:
+            raise ValueError(f"need at least 2 tokens to score, got {len(tokens)}")
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        inputs = ids.masked_fill(ids >= self.draft_vocab_size, 0)[None, :-1]
+        logits = self.model(input_ids=inputs, use_cache=False).logits[0].float()  # [n - 1, draft V]
+        targets = ids[1:]
+        inside = targets < self.draft_vocab_size
+        chosen = logits.log_softmax(-1).gather(-1, targets.clamp(max=self.draft_vocab_size - 1)[:, None])[:, 0]
+        return float(chosen.masked_fill(~inside, LOG_FLOOR).clamp_min(LOG_FLOOR).mean())
 
     @torch.no_grad()
     def _prefill_alone(self, cache: _RequestCache, tokens: list[int]) -> None:

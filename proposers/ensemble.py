@@ -14,6 +14,13 @@ and a prose request served together each weight the draft that fits their own te
 tokens. A seeded request's prior is the configured weights (its text depends on its own history
 alone). Any weights are exact: q is whatever was sampled from.
 
+Routing (``route``): instead of mixing, each request is drafted by one draft alone, the one whose
+mean log-probability of the request's last ``route_window`` context tokens (its prompt, at its first
+draft) is highest, decided once per request (:meth:`DraftRuntime.mean_log_likelihood`). Only that
+draft forwards the request: a code request served beside a prose one gets the code draft, each at
+the cost of one draft. The choice depends on the request's own prompt alone (a seeded request
+stays reproducible), and any choice is exact: q is the routed draft's processed distribution.
+
 Rows draft only as far as their own γ: a row whose γ is reached (adaptive γ gives each its
 own, the draft's maximum length clips some) leaves the batched forward, so it is never
 extended past its γ or pushed to positions beyond the draft's ``max_position_embeddings``.
@@ -37,6 +44,7 @@ from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs_r
 FORGETTING = 0.01
 MIN_WEIGHT = 0.02
 LOG_FLOOR = math.log(1e-12)  # a draft's log-probability of an emitted token counts at least this
+ROUTE_WINDOW = 32  # routing: the context tokens (the prompt's last) each draft is scored on
 
 
 @dataclass
@@ -97,6 +105,11 @@ class EnsembleProposer(Proposer):
       fell behind keeps being mixed in and scored, and can come back when the text changes.
       Costs up to that share of the mixture's mass on a poor draft.
 
+    Routing (``route``, see the module docstring): ``route_window`` is how many of the context's
+    last tokens each draft is scored on at a request's first draft (32: about 3-4 ms per draft
+    forward of that window on the demo drafts, once per request). Not with ``adapt_weights`` or
+    ``weights`` (those mix the drafts).
+
     Memory: per request with a pending draft, adaptive weights keep (see :class:`_Scores`)
     γ · Σ_d (8 + hidden_d · s_d) bytes for lean drafts (hidden size hidden_d, element size s_d
     of the draft's dtype) and γ · (8 + 4 · V) for a draft on the transformers path; each draft's
@@ -113,6 +126,8 @@ class EnsembleProposer(Proposer):
         adapt_weights: bool = False,
         forgetting: float = FORGETTING,
         min_weight: float = MIN_WEIGHT,
+        route: bool = False,
+        route_window: int = ROUTE_WINDOW,
     ):
         if not 1 <= len(runtimes) <= 3:
             raise ValueError(f"an ensemble takes 1 to 3 draft models, got {len(runtimes)}")
@@ -122,6 +137,11 @@ class EnsembleProposer(Proposer):
         if len(vocab_sizes) != 1:
             names = ", ".join(f"{rt.path} ({rt.vocab_size})" for rt in runtimes)
             raise ValueError(f"draft models disagree on vocabulary size: {names}")
+        if route and (adapt_weights or weights is not None):
+            raise ValueError("route drafts each request with one draft; weights and adapt_weights mix them: "
+                             "give one of the two")
+        if route_window < 1:
+            raise ValueError(f"route_window must be >= 1, got {route_window}")
         if weights is None:
             weights = [1.0] * len(runtimes)
         if len(weights) != len(runtimes) or min(weights) < 0 or sum(weights) <= 0:
@@ -145,6 +165,9 @@ class EnsembleProposer(Proposer):
         # its own verdicts only. Not the population's evidence, which is worth ~1 / forgetting
         # tokens and would outweigh a request's own text for most of its length.
         self._request_evidence: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.route = route
+        self.route_window = route_window
+        self._routes: dict[str, int] = {}  # routing: request id -> the index of the draft that drafts it
         self._update_weights()
         self.fixed_weights = self._weights.clone()
 
@@ -156,11 +179,12 @@ class EnsembleProposer(Proposer):
         self._pending.pop(request_id, None)
         self._seeded.discard(request_id)
         self._request_evidence.pop(request_id, None)
+        self._routes.pop(request_id, None)
         for rt in self.runtimes:
             rt.free(request_id)  # also what set_resident_bytes counted for it
 
     def tracked_request_ids(self) -> set[str]:
-        ids = set(self._pending) | set(self._request_evidence)
+        ids = set(self._pending) | set(self._request_evidence) | set(self._routes)
         for rt in self.runtimes:
             ids.update(rt.request_ids)
         return ids
@@ -176,6 +200,11 @@ class EnsembleProposer(Proposer):
         """:meth:`branch_distributions` for several requests (each at most once) in one forward per
         draft: ``items`` are (request id, context, paths); returns one [len(paths), V] per item."""
         items = [(rid, list(context), paths) for rid, context, paths in items]
+        if self.route:
+            self.route_requests([rid for rid, _, _ in items], [context for _, context, _ in items])
+            parts = self._routed_probs(len(items), lambda rt, mine: DraftBatch.branches_of(rt, [items[k] for k in mine]),
+                                       [rid for rid, _, _ in items], [len(paths) for _, _, paths in items])
+            return parts
         row_ids = [rid for rid, _, paths in items for _ in paths]
         mixture = self._mixture(lambda rt: DraftBatch.branches_of(rt, items), row_ids)
         return list(mixture.split([len(paths) for _, _, paths in items]))
@@ -188,13 +217,57 @@ class EnsembleProposer(Proposer):
     @torch.no_grad()
     def root_distributions(self, request_ids: Sequence[str], contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """:meth:`root_distribution` for several requests in one forward per draft: [len(ids), V]."""
+        if self.route:
+            self.route_requests(request_ids, contexts)
+            parts = self._routed_probs(len(request_ids), lambda rt, mine: rt.open_batch(
+                [request_ids[k] for k in mine], [list(contexts[k]) for k in mine]), request_ids, [1] * len(request_ids))
+            return torch.cat(parts)
         return self._mixture(lambda rt: rt.open_batch(list(request_ids), [list(c) for c in contexts]), request_ids)
+
+    def route_requests(self, request_ids: Sequence[str], contexts: Sequence[Sequence[int]]) -> None:
+        """Routing: give every request not yet routed its draft, the one with the highest mean
+        log-probability of its context's last ``route_window`` tokens (the first draft when the
+        context is shorter than 2 tokens, or on a tie)."""
+        for rid, context in zip(request_ids, contexts):
+            if rid in self._routes:
+                continue
+            window = list(context[-(self.route_window + 1):])
+            chosen = 0
+            if len(window) >= 2 and len(self.runtimes) > 1:
+                scores = [rt.mean_log_likelihood(window) for rt in self.runtimes]
+                chosen = max(range(len(scores)), key=scores.__getitem__)
+            self._routes[rid] = chosen
+            self.metrics.routed[self.names[chosen]] += 1
+
+    def route_of(self, request_id: str) -> int | None:
+        """Routing: the index of the draft that drafts ``request_id`` (None: not routed yet)."""
+        return self._routes.get(request_id)
+
+    def _routed_probs(self, count: int, open_subset, request_ids: Sequence[str], rows_per_item: Sequence[int]):
+        """Routing: softmax of each item's routed draft, [rows_per_item[k], V] per item k of ``count``;
+        ``open_subset(runtime, item indices)`` opens that draft's batch over those items (rows in order)."""
+        out: list[torch.Tensor | None] = [None] * count
+        for d, rt in enumerate(self.runtimes):
+            mine = [k for k in range(count) if self._routes[request_ids[k]] == d]
+            if not mine:
+                continue
+            batch = open_subset(rt, mine)
+            probs = batch.logits.float().softmax(-1)
+            batch.close()
+            for k, part in zip(mine, probs.split([rows_per_item[k] for k in mine])):
+                out[k] = part
+        return out
 
     def row_weights(self, request_ids: Sequence[str]) -> torch.Tensor:
         """The mixture weights of each row's request: [len(request_ids), D] float32 (CPU). With
         adaptive weights a request's own once it has a verdict; before, the population's
         (:attr:`weights`), or :attr:`fixed_weights` for a seeded request."""
         weights = self._weights.expand(len(request_ids), -1).clone()
+        if self.route:
+            for row, rid in enumerate(request_ids):
+                if rid in self._routes:
+                    weights[row] = 0.0
+                    weights[row, self._routes[rid]] = 1.0
         if self.adapt_weights:
             for row, rid in enumerate(request_ids):
                 own = self._request_evidence.get(rid)
@@ -257,12 +330,26 @@ class EnsembleProposer(Proposer):
         from). One batched forward per draft model per position. ``row_params`` (per active row):
         process the rows with these instead of the requests' own (TreeProposer: T = 1 rows for a
         greedy request's acceptance model; its tokens stay the argmax). TreeProposer uses it for
-        the steps whose tree would be the chain."""
+        the steps whose tree would be the chain. Routing: each request's rows on its routed draft only
+        (one batch per draft over the requests routed to it)."""
+        if not self.route:
+            self._draw_chains(active, drafts, row_params, list(range(len(self.runtimes))))
+            return
+        self.route_requests([request.request_id for _, request, _ in active], [request.context for _, request, _ in active])
+        for d in range(len(self.runtimes)):
+            mine = [k for k, (_, request, _) in enumerate(active) if self._routes[request.request_id] == d]
+            if mine:
+                self._draw_chains([active[k] for k in mine], drafts, [row_params[k] for k in mine] if row_params else None,
+                                  [d])
+
+    def _draw_chains(self, active, drafts, row_params, used: list[int]) -> None:
+        """:meth:`draw_chains` on the drafts ``used`` (indices into ``runtimes``; every row's weights
+        over the others are 0 when fewer than all)."""
         ids = [request.request_id for _, request, _ in active]
         contexts = [list(request.context) for _, request, _ in active]
         gammas = [gamma for _, _, gamma in active]
-        batches = [rt.open_batch(ids, contexts) for rt in self.runtimes]
-        weights = self.row_weights(ids).to(batches[0].logits.device)  # [B, D]
+        batches = [self.runtimes[d].open_batch(ids, contexts) for d in used]
+        weights = self.row_weights(ids)[:, used].to(batches[0].logits.device)  # [B, len(used)]
         tokens: list[list[int]] = [[] for _ in active]
         rows: list[list[torch.Tensor]] = [[] for _ in active]
         top_tokens = [[[] for _ in self.runtimes] for _ in active]
@@ -274,13 +361,13 @@ class EnsembleProposer(Proposer):
             mixture = torch.einsum("bd,dbv->bv", weights[live], per_draft)
             q = processed_probs_rows(mixture.log(), [(row_params[r] if row_params else active[r][1].params) for r in live])
             chosen = self._choose(q, [active[r][1] for r in live])
-            own_top = per_draft.argmax(-1).T.tolist()  # [len(live), D]
+            own_top = per_draft.argmax(-1).T.tolist()  # [len(live), len(used)]
             if self.adapt_weights:
                 steps.append(self._step_scores(live, logits, per_draft, batches, chosen))
             for i, r in enumerate(live):
                 tokens[r].append(chosen[i])
                 rows[r].append(q[i])
-                for d, token in enumerate(own_top[i]):
+                for d, token in zip(used, own_top[i]):
                     top_tokens[r][d].append(token)
             going = [i for i, r in enumerate(live) if step + 1 < gammas[r]]
             if not going:
@@ -343,6 +430,8 @@ class EnsembleProposer(Proposer):
         self.metrics.record_outcome(len(pending.tokens), accepted)
         verified = min(accepted + 1, len(pending.tokens), len(emitted))  # accepted ones + the rejected one
         for d, name in enumerate(self.names):
+            if len(pending.top_tokens[d]) < verified:  # routing: a draft that did not draft this request
+                continue
             hits = sum(pending.top_tokens[d][j] == emitted[j] for j in range(verified))
             self.metrics.agreement[name] += hits
             self.metrics.verified_positions[name] += verified

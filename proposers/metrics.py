@@ -74,6 +74,7 @@ class DraftMetrics:
     # Per draft: at verified positions, how often its own top token was the target's token.
     agreement: dict[str, int] = field(default_factory=dict)
     verified_positions: dict[str, int] = field(default_factory=dict)
+    routed: dict[str, int] = field(default_factory=dict)  # routing: requests routed to each draft
     weights: dict[str, float] = field(default_factory=dict)
     # Health of drafting as a whole (kept by the vLLM adapter, vllm_specplugin/adapters.py).
     draft_failures: int = 0  # steps whose drafting raised (each decoded without drafts)
@@ -86,6 +87,7 @@ class DraftMetrics:
         for name in self.draft_names:
             self.agreement.setdefault(name, 0)
             self.verified_positions.setdefault(name, 0)
+            self.routed.setdefault(name, 0)
 
     def time_step(self, last_call: tuple[float, set[str]] | None, now: float,
                   request_ids: set[str]) -> tuple[float, set[str]]:
@@ -159,6 +161,7 @@ class DraftMetrics:
             "accepted_per_position": list(self.accepted_per_position),
             "agreement": dict(self.agreement),
             "verified_positions": dict(self.verified_positions),
+            "routed": dict(self.routed),
             "weights": dict(self.weights),
             "draft_failures": self.draft_failures,
             "drafting_disabled": self.drafting_disabled,

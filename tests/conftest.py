@@ -132,6 +132,14 @@ def peaked_draft() -> str:
 
 
 @pytest.fixture(scope="session")
+def flat_draft() -> str:
+    """peaked_target's weights with LM-head scale 4: flatter than the target, so on random prompts it
+    predicts the prompt's tokens better than peaked_draft (routing by prompt picks it) and still
+    accepts often."""
+    return cached_random_llama("flat-draft", logit_scale=4.0, seed=0)
+
+
+@pytest.fixture(scope="session")
 def unrelated_draft() -> str:
     """A 1-layer random draft with the target's vocabulary and unrelated weights (acceptance ~3%).
 

@@ -252,3 +252,19 @@ def test_the_drafter_choice_combines_with_tree_drafting(tmp_path):
         SpecPluginConfig.from_dict({"drafts": [str(head)], "suffix_drafting": {},
                                     "tree_drafting": {**tree, "merge": ["ngram", "suffix"]}})
     assert info.value.field == "suffix_drafting" and "merge" in str(info.value)
+
+
+def test_draft_routing(draft_dirs):
+    config = SpecPluginConfig.from_dict({"drafts": draft_dirs[:2], "draft_routing": "prompt"})
+    assert config.draft_routing == "prompt"
+    assert SpecPluginConfig.from_dict({"drafts": draft_dirs[:2]}).draft_routing is None
+    for raw, message in [
+        ({"drafts": draft_dirs[:1], "draft_routing": "prompt"}, "give 2 or 3 drafts"),
+        ({"drafts": draft_dirs[:2], "draft_routing": "prompt", "draft_weights": [1, 2]}, "draft_weights"),
+        ({"drafts": draft_dirs[:2], "draft_routing": "prompt", "adapt_draft_weights": True}, "adapt_draft_weights"),
+        ({"drafts": draft_dirs[:2], "draft_routing": "best"}, "expected one of"),
+        ({"drafts": draft_dirs[:2], "draft_routing": True}, "expected one of"),
+    ]:
+        with pytest.raises(SpecPluginConfigError, match=message) as info:
+            SpecPluginConfig.from_dict(raw)
+        assert info.value.field == "draft_routing"

@@ -334,3 +334,76 @@ def test_forgetting_and_min_weight_are_parameters():
         proposer.free("f")
     with pytest.raises(ValueError, match="forgetting"):
         EnsembleProposer(runtimes, forgetting=1.0)
+
+
+def _text_of(rt: DraftRuntime, seed: int, length: int = 40) -> list[int]:
+    """A context whose last ``length`` tokens are ``rt``'s own greedy text (after 5 random ones)."""
+    start = context(5, seed=seed)
+    return start + rt.draft(f"text-{seed}", start, length, GREEDY).token_ids
+
+
+def test_mean_log_likelihood_is_the_texts_mean_log_probability():
+    rt = runtime("draft-tiny")
+    tokens = context(20, seed=70)
+    with torch.no_grad():
+        logits = rt.model(input_ids=torch.tensor([tokens[:-1]])).logits[0].float()
+    expected = logits.log_softmax(-1).gather(-1, torch.tensor(tokens[1:])[:, None]).mean()
+    assert rt.mean_log_likelihood(tokens) == pytest.approx(float(expected), abs=1e-5)
+    with pytest.raises(ValueError, match="at least 2"):
+        rt.mean_log_likelihood([5])
+
+
+def test_routing_drafts_each_request_with_the_draft_that_fits_its_prompt():
+    """Routing: a request whose prompt is draft-distill's own text is drafted by draft-distill
+    alone, one of draft-tiny's text by draft-tiny alone, in one propose; each gets exactly the
+    tokens and q its draft gives it on its own (a one-draft proposer, same generator), and the
+    other draft never forwards it."""
+    distill, tiny = runtime("draft-distill"), runtime("draft-tiny")
+    texts = {"d": _text_of(distill, 71), "t": _text_of(tiny, 72)}
+    routed_runtimes = [runtime("draft-distill"), runtime("draft-tiny")]
+    proposer = EnsembleProposer(routed_runtimes, route=True)
+    sampled = SamplingParams(temperature=1.0, top_k=50)
+
+    def requests(names):
+        return [DraftRequest(name, texts[name], 4, sampled, torch.Generator().manual_seed(9)) for name in names]
+
+    drafts = proposer.propose(requests(["d", "t"]))
+    assert [proposer.route_of("d"), proposer.route_of("t")] == [0, 1]
+    assert proposer.metrics.routed == {"draft-distill": 1, "draft-tiny": 1}
+    assert routed_runtimes[0].request_ids == ["d"] and routed_runtimes[1].request_ids == ["t"]
+    for name, draft, alone_rt in [("d", drafts[0], runtime("draft-distill")), ("t", drafts[1], runtime("draft-tiny"))]:
+        (alone,) = EnsembleProposer([alone_rt]).propose(requests([name]))
+        assert draft.token_ids == alone.token_ids
+        torch.testing.assert_close(draft.probs, alone.probs)
+    # The route is kept for the request's life (the next step drafts on the same draft), then freed.
+    accepted = drafts[1].token_ids[:2] + [7]
+    proposer.propose([DraftRequest("t", texts["t"] + accepted, 4, sampled, torch.Generator().manual_seed(1))])
+    assert proposer.route_of("t") == 1 and proposer.metrics.routed["draft-tiny"] == 1
+    proposer.free("t")
+    assert proposer.route_of("t") is None and "t" not in proposer.tracked_request_ids()
+
+
+def test_routing_trees_read_the_routed_draft_only():
+    """The tree drafting calls (root and branch distributions) of a routed request are its draft's
+    own softmax, not the mixture, and the other draft holds nothing of it."""
+    runtimes = [runtime("draft-distill"), runtime("draft-tiny")]
+    proposer = EnsembleProposer(runtimes, route=True)
+    ctx = _text_of(runtimes[1], 73)
+    root = proposer.root_distributions(["r"], [ctx])
+    assert proposer.route_of("r") == 1 and runtimes[0].request_ids == []
+    torch.testing.assert_close(root[0], full_forward_logits(runtimes[1], ctx).softmax(-1), atol=1e-5, rtol=1e-4)
+    paths = [[5], [9, 11]]
+    (branches,) = proposer.branch_distributions_of([("r", ctx, paths)])
+    for row, path in enumerate(paths):
+        expected = full_forward_logits(runtimes[1], ctx + path).softmax(-1)
+        torch.testing.assert_close(branches[row], expected, atol=1e-5, rtol=1e-4)
+    assert runtimes[0].request_ids == []
+
+
+def test_routing_refuses_mixing_options():
+    with pytest.raises(ValueError, match="give one of the two"):
+        EnsembleProposer([runtime("draft-tiny"), runtime("draft-small")], [1.0, 2.0], route=True)
+    with pytest.raises(ValueError, match="give one of the two"):
+        EnsembleProposer([runtime("draft-tiny"), runtime("draft-small")], adapt_weights=True, route=True)
+    with pytest.raises(ValueError, match="route_window"):
+        EnsembleProposer([runtime("draft-tiny"), runtime("draft-small")], route=True, route_window=0)

@@ -192,6 +192,7 @@ class MultiDraftProposer(CustomClassAdapter):
             )
         self.metrics.draft_probs_buffer_bytes = self.q_buffer_bytes
         label = ("eagle head" if self.config.eagle_head else "medusa heads" if self.head
+                 else f"routed drafts ({self.config.draft_routing})" if self.config.draft_routing
                  else "ensemble" if len(runtimes) > 1 else "draft")
         self.publisher = MetricsPublisher(self.metrics, f"{label}[{', '.join(names)}]")
         if _tp_rank(vllm_config) > 0:
@@ -242,7 +243,8 @@ class MultiDraftProposer(CustomClassAdapter):
             for path in self.config.drafts
         ]
         ensemble = EnsembleProposer(
-            runtimes, self.config.draft_weights, adapt_weights=self.config.adapt_draft_weights
+            runtimes, self.config.draft_weights, adapt_weights=self.config.adapt_draft_weights,
+            route=self.config.draft_routing == "prompt",
         )
         self.gamma_policy = self.config.gamma_policy()
         _check_parallelism(vllm_config, self.gamma_policy)

@@ -25,6 +25,7 @@ TREE_SHAPES = ("fixed", "dynamic")
 MERGE_DRAFTERS = ("suffix", "ngram")
 # draft_kernels (the drafts' lean forward; draft_kernels.py runs them)
 DRAFT_KERNELS = ("auto", "vllm", "torch")
+DRAFT_ROUTING = ("prompt",)  # draft_routing: how a request's draft is chosen (by its prompt)
 # The key's name before the other kernels joined the products; still accepted.
 DRAFT_GEMM_ALIASES = {"auto": "auto", "onednn": "vllm", "torch": "torch"}
 # acceptance (the rule of the rejection sampler; lossy_acceptance.py applies it)
@@ -77,6 +78,13 @@ class SpecPluginConfig:
     medusa_heads: str | None = None
     # Mixture weights of the drafts; default uniform. Must match `drafts` in length.
     draft_weights: tuple[float, ...] | None = None
+    # Route each request to one of the drafts instead of mixing them (proposers/ensemble.py): null,
+    # or "prompt": at its first draft, each draft scores the request's last 32 context tokens (its
+    # prompt) and the one that predicts them best (highest mean log-probability) drafts the request
+    # alone, so traffic of several kinds gets each kind's specialist at the cost of one draft. Decided
+    # from the request's own prompt only (seeded requests stay reproducible); exact like any draft.
+    # Needs 2 or 3 drafts; not with draft_weights or adapt_draft_weights (they mix the drafts).
+    draft_routing: str | None = None
     # dtype the drafts run in (an eagle_head or medusa_heads drafter too).
     draft_dtype: str = "float32"
     # The kernels of the drafts' lean forward and of a heads drafter (eagle_head, medusa_heads): "vllm" (vLLM's
@@ -230,6 +238,14 @@ class SpecPluginConfig:
                 values[key] = _head_checkpoint(raw, key)
         if "draft_weights" in raw and raw["draft_weights"] is not None:
             values["draft_weights"] = _weights(raw["draft_weights"])
+        if raw.get("draft_routing") is not None:
+            values["draft_routing"] = _choice(raw, "draft_routing", DRAFT_ROUTING)
+            if len(values.get("drafts", ())) < 2:
+                raise SpecPluginConfigError("draft_routing", "routes each request to one of the drafts: give 2 or 3 drafts")
+            for other in ("draft_weights", "adapt_draft_weights"):
+                if raw.get(other) not in (None, False):
+                    raise SpecPluginConfigError("draft_routing", f"does not combine with {other} ({other} mixes the "
+                                                "drafts; routing drafts each request with one of them)")
         if "draft_dtype" in raw:
             values["draft_dtype"] = _choice(raw, "draft_dtype", DRAFT_DTYPES)
         if "draft_kernels" in raw or "draft_gemm" in raw:

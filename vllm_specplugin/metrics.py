@@ -252,14 +252,21 @@ class SnapshotCollector:
         buffer_bytes.add_metric([], total("draft_probs_buffer_bytes"))
         yield buffer_bytes
         weight = GaugeMetricFamily("specplugin:draft_weight", "Current mixture weight of this draft.", labels=["draft"])
+        routed = CounterMetricFamily(
+            "specplugin:draft_routed_requests", "Routing (draft_routing): requests drafted by this draft alone.",
+            labels=["draft"],
+        )
         for s in snapshots:
             for name, count in s.get("agreement", {}).items():
                 agreement.add_metric([name], count)
                 verified.add_metric([name], s.get("verified_positions", {}).get(name, 0))
+            for name, count in s.get("routed", {}).items():
+                routed.add_metric([name], count)
             for name, value in s.get("weights", {}).items():
                 weight.add_metric([name], value)
         yield agreement
         yield verified
+        yield routed
         yield weight
         yield from _lossy_families(read_snapshots(prefix="lossy"))
 

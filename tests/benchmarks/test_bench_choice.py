@@ -16,7 +16,8 @@ dynamic tree of 6 nodes verified whole, or nothing). For the T = 1 side (``-k dr
 ``draft_model`` with draft-code (γ 6), draft-code's chains of 6 and 8 in bfloat16, its dynamic
 trees of 8 and 12 nodes in float32 and bfloat16, the choice over its bfloat16 tree of 8 or 12, adaptive
 γ up to 8 (cost model and thresholds) and the draft-code + draft-prose ensemble with per-request weights
-(γ 6), both in bfloat16.
+(γ 6), both in bfloat16; and draft-code and draft-prose routed by prompt (``draft_routing``, γ 6, float32
+and bfloat16; ``-k routed``).
 The rounds repeat the same requests, so at T = 0 a cache of past
 requests drafts a round's greedy outputs from the round before, which first-seen traffic does not get.
 Workloads as in the baseline (4 held-out prompts per category, 40 tokens, batch 1; ``mixed-T0`` /
@@ -24,7 +25,7 @@ Workloads as in the baseline (4 held-out prompts per category, 40 tokens, batch 
 beside every figure (runs/bench/suffix_choice-*.md / .json).
 
 Run: ``PYTHONPATH=runs/arctic-site BENCH_ROUNDS=3 pytest tests/benchmarks/test_bench_choice.py -s -p no:cacheprovider``
-(19 servers: about 35 minutes on a quiet 2-core CPU; ``-k "not draft-code"``: 10 servers, about 16
+(21 servers: about 38 minutes on a quiet 2-core CPU; ``-k "not draft-code"``: 10 servers, about 16
 minutes). Results: docs/benchmarks.md ("Suffix drafting and the drafter choice", "The T = 1 side").
 """
 
@@ -42,7 +43,9 @@ from vllm_specplugin.throughput.workloads import batch1_workloads
 pytestmark = [pytest.mark.server]
 
 FAMILY = os.path.join(MODELS, "demo-mix")
-PROMPTS_PER_CATEGORY = 4
+# Prompts per workload (mixed: per workload, whole blocks of four when a multiple of 4); more with
+# BENCH_PROMPTS_PER_CATEGORY for a tighter figure (each round then takes proportionally longer).
+PROMPTS_PER_CATEGORY = int(os.environ.get("BENCH_PROMPTS_PER_CATEGORY", "4"))
 MAX_TOKENS = 40
 CHOICE_GAMMA = 6
 HAVE_ARCTIC = importlib.util.find_spec("arctic_inference") is not None
@@ -89,6 +92,11 @@ CONFIGS = [
                     draft_dtype="bfloat16", adaptive_gamma={"mode": mode}) for mode in ("cost_model", "threshold")],
     plugin_config("plugin draft-code + draft-prose ensemble γ 6, per-request weights, bfloat16",
                   ["demo-mix/draft-code", "demo-mix/draft-prose"], 6, draft_dtype="bfloat16", adapt_draft_weights=True),
+    # Routing (draft_routing "prompt"): each request drafted by draft-code or draft-prose alone, the
+    # one that predicts its prompt best; chains of 6, in float32 and bfloat16.
+    *[plugin_config(f"plugin draft-code | draft-prose routed by prompt γ 6{dt}", ["demo-mix/draft-code", "demo-mix/draft-prose"],
+                    6, draft_routing="prompt", **({"draft_dtype": "bfloat16"} if dt else {}))
+      for dt in ("", ", bfloat16")],
     # The same with the i.i.d. model prior of before 7 Dec (model_run_prior = model_prior), for the A/B.
     plugin_config(f"choice: suffix + draft-prose's tree of {CHOICE_GAMMA}, k {CHOICE_GAMMA}, i.i.d. prior",
                   ["demo-mix/draft-prose"], CHOICE_GAMMA, suffix_drafting={"model_run_prior": 0.6},

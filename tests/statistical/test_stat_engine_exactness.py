@@ -5,7 +5,7 @@ Each test runs the real engine (one fresh process; eager but for ``COMPILED_CASE
 transformers (``verification.check``):
 
 * T > 0: N continuations of m = 3 tokens for each of 2 prompts (N = 3000 for the honest cases,
-  2000 for the faults but (h) and (i), 500, and (m) and (n), 1000; 70 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
+  2000 for the faults but (h) and (i), 500, and (m) and (n), 1000; 75 cases in SUITE, one engine per test), chain-rule Pearson chi-square summed over the nodes with >= 10 samples,
   and every sampled token checked for support (a token the target gives probability 0 fails).
 * T = 0: vLLM samples one continuation per prompt, so 32 random prompts of 4-48 tokens x 32
   tokens each (1024 tokens): every token must be the reference argmax (within a logit gap of
@@ -122,6 +122,8 @@ pytestmark = [pytest.mark.statistical, pytest.mark.engine]
 
 HONEST_TEMPERATURES = (0.0, 0.7, 1.0, 1.3)
 ENSEMBLE_TEMPERATURES = (0.0, 0.7, 1.0)
+# Routing (draft_routing "prompt"): each request drafted by one of two drafts, chosen by its prompt.
+ROUTED_TEMPERATURES = (0.0, 1.0)
 STRATEGY_TEMPERATURES = (0.7, 1.0)
 DRAFT_FREE_TEMPERATURES = (0.0, 1.0)  # steps without drafts take vLLM's plain sampler (draft_free_steps.py)
 # T = 1.0 (top-k 50, top-p 0.9) is LONG_TREE_SAMPLING: the same configuration over 10 tokens, whose
@@ -157,6 +159,7 @@ SUITE = {
     "honest_draft_model": len(HONEST_TEMPERATURES),
     "honest_ensemble_shim_on": len(ENSEMBLE_TEMPERATURES),
     "honest_ensemble_shim_off": len(ENSEMBLE_TEMPERATURES),
+    "honest_routed_drafts": len(ROUTED_TEMPERATURES),
     "honest_strategies": len(STRATEGY_TEMPERATURES),
     "honest_draft_free_steps": len(DRAFT_FREE_TEMPERATURES),
     "honest_vocab_prefix": len(VOCAB_PREFIX_SAMPLINGS),
@@ -188,7 +191,7 @@ SUITE = {
     "fault_n_merged_wrong_q": 1,
 }
 SUITE_ALPHA = 0.01
-SUITE_HYPOTHESES = sum(SUITE.values())  # 70
+SUITE_HYPOTHESES = sum(SUITE.values())  # 75
 ALPHA = SUITE_ALPHA / SUITE_HYPOTHESES
 DELTA = 0.1
 POWER = 0.99
@@ -380,6 +383,19 @@ def test_plugin_ensemble_is_exact(peaked_target, peaked_draft, unrelated_draft, 
         speculative_config=ENSEMBLE_PROPOSER,
         additional_config={"specplugin": {"drafts": [peaked_draft, unrelated_draft], "runner_shim": shim,
                                           "adapt_draft_weights": shim}},
+    )
+    assert all(c.acceptance_rate and c.acceptance_rate > 0.05 for c in report.cases)
+
+
+def test_plugin_routed_drafts_are_exact(peaked_target, peaked_draft, flat_draft, reference):
+    """Routing (draft_routing "prompt"): each request's chain drawn from the one draft that predicts
+    its context best at its first draft (on these random prompts the flatter one: with peaked_draft
+    and unrelated_draft every request went to unrelated_draft and accepted 1 %), verified against
+    that draft's q."""
+    report = run_honest(
+        "honest_routed_drafts", peaked_target, [sampling(t) for t in ROUTED_TEMPERATURES], reference,
+        speculative_config=ENSEMBLE_PROPOSER,
+        additional_config={"specplugin": {"drafts": [peaked_draft, flat_draft], "draft_routing": "prompt"}},
     )
     assert all(c.acceptance_rate and c.acceptance_rate > 0.05 for c in report.cases)
 

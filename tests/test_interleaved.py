@@ -1,0 +1,72 @@
+"""The interleaved A/B's bookkeeping (throughput/interleaved.py): rotation and paired ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_specplugin.throughput.bench import WorkloadResult
+from vllm_specplugin.throughput.interleaved import PRESETS, main, paired_ratios, rotation, summed
+
+
+def test_rotation_visits_every_server_once_and_moves_the_first():
+    orders = [rotation(4, r) for r in range(4)]
+    assert all(sorted(order) == [0, 1, 2, 3] for order in orders)
+    assert [order[0] for order in orders] == [0, 1, 2, 3]  # each server leads one round in four
+    assert rotation(3, 5) == rotation(3, 2)
+
+
+def test_paired_ratios_divide_within_a_round():
+    """A machine that runs twice as slow in round 2 moves both sides of each ratio: the paired
+    ratio stays 1.5, where the ratio of best rounds across servers would not."""
+    rounds = [{"plain": 100.0, "a": 150.0, "b": 120.0}, {"plain": 50.0, "a": 75.0, "b": 60.0},
+              {"plain": 80.0, "a": 120.0}]
+    paired = paired_ratios(rounds, ["plain", "b"])
+    assert paired["a"].ratios["plain"] == pytest.approx([1.5, 1.5, 1.5])
+    assert paired["a"].ratios["b"] == pytest.approx([1.25, 1.25])  # round 3 has no b: not paired
+    assert paired["a"].median("plain") == pytest.approx(1.5)
+    assert paired["b"].spread("plain") == pytest.approx((1.2, 1.2))
+    assert paired["a"].tokens_per_s == [150.0, 75.0, 120.0]
+
+
+def test_paired_ratios_refuse_nothing_to_compare():
+    with pytest.raises(ValueError, match="no round"):
+        paired_ratios([], ["plain"])
+    with pytest.raises(ValueError, match="no round"):
+        paired_ratios([{}, {}], ["plain"])
+    with pytest.raises(ValueError, match="baseline 'plain' has no round"):
+        paired_ratios([{"a": 1.0}], ["plain"])
+
+
+def test_summed_adds_counters_over_rounds():
+    rounds = [WorkloadResult("x", 1, 1.0, 40, 0.5, 6, drafts=10, draft_tokens=60, accepted_tokens=30,
+                             draft_time_s=0.1, step_time_s=0.4, propose_calls=10),
+              WorkloadResult("x", 1, 1.0, 40, 0.3, 6, drafts=8, draft_tokens=48, accepted_tokens=24,
+                             draft_time_s=0.1, step_time_s=0.3, propose_calls=8)]
+    total = summed(rounds)
+    assert (total.output_tokens, total.wall_s, total.drafts) == (80, pytest.approx(0.8), 18)
+    assert total.alpha == pytest.approx(0.5) and total.mean_accepted_length == pytest.approx(4.0)
+    assert total.draft_time_s == pytest.approx(0.2) and total.propose_calls == 18
+    plain = summed([WorkloadResult("plain", 1, 1.0, 40, 0.5, 0)])
+    assert plain.draft_time_s is None and plain.alpha is None
+
+
+def test_presets_start_with_plain_and_name_their_reference():
+    for preset in PRESETS.values():
+        names = [c.name for c in preset.configs]
+        assert names[0] == "plain" and preset.reference in names and len(set(names)) == len(names)
+
+
+def test_cli_refuses_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["--rounds", "0"])
+    with pytest.raises(SystemExit):
+        main(["--reference", "no such configuration"])
+    assert "no such configuration" in capsys.readouterr().err
+
+
+def test_help_names_the_presets(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "Presets:" in out and all(name in out for name in PRESETS)

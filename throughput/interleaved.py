@@ -1,0 +1,260 @@
+"""Interleaved A/B of served configurations: every server up at once, rounds taken in turn.
+
+``python -m vllm_specplugin.throughput.interleaved --preset routing``
+
+The benchmarks in ``tests/benchmarks`` serve one configuration after another and keep each one's
+fastest round. On this shared 2-core machine the speed drifts by 10-20 % over minutes, so two
+configurations served ten minutes apart differ by that much with nothing changed (the same
+configuration read 1.37x and 1.59x plain in two runs of 7 Dec). Here all the preset's servers run
+side by side and round r sends the same workload to each in turn, the order rotated every round. A
+server waits out the others' turns stopped (SIGSTOP to its process group, SIGCONT before its own): an
+idle vLLM server still polls (its worker about 5 % of a core here), and five of them slowed every
+configuration by about a quarter. Each configuration's speed in a round is divided by the reference's
+(plain decoding, and ``--reference``) in the same round. The median of those paired ratios over the
+rounds, with their range, is the figure: a drift slower than a round moves both sides of a ratio.
+
+Output: a Markdown table and a JSON file under ``runs/bench/`` (``interleaved-<preset>-<time>``), with
+per configuration the median paired ratio against plain and against the reference, their range,
+the best round's tokens/s, and α, τ (tokens per verification step), c and r from its counters
+summed over every round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from vllm_specplugin.throughput.bench import (MODELS, ServedConfig, WorkloadResult, WorkloadRun,
+                                              builtin_draft_model_config, plugin_config, run_workload)
+from vllm_specplugin.throughput.workloads import mixed_requests
+
+MIX = os.path.join(MODELS, "demo-mix")
+RESUME_SETTLE_S = 1.0  # after SIGCONT, before the round: the server's loops pick up again
+CODE, PROSE = "demo-mix/draft-code", "demo-mix/draft-prose"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Servers to compare on one workload: ``configs`` (plain first), the mixed workload's setting
+    (0: T = 0 with creative at 1.0; 1: T = 1 with creative at 1.3) and the default reference."""
+
+    target: str
+    setting: int
+    configs: tuple[ServedConfig, ...]
+    reference: str
+    about: str
+
+
+PRESETS = {
+    "routing": Preset(
+        os.path.join(MIX, "target"), 1,
+        (ServedConfig("plain"),
+         builtin_draft_model_config(CODE, 6),
+         plugin_config("plugin draft-code γ 6", [CODE], 6),
+         plugin_config("plugin draft-code γ 6, bfloat16", [CODE], 6, draft_dtype="bfloat16"),
+         plugin_config("plugin draft-code | draft-prose routed by prompt γ 6", [CODE, PROSE], 6, draft_routing="prompt"),
+         plugin_config("plugin draft-code | draft-prose routed by prompt γ 6, bfloat16", [CODE, PROSE], 6,
+                       draft_routing="prompt", draft_dtype="bfloat16")),
+        "plugin draft-code γ 6",
+        "issue 31's mixed workload at T = 1 (creative 1.3), batch 1: the best single drafter of the baseline "
+        "(draft-code's chain of 6), vLLM's draft_model with it, and the code / prose drafts routed by prompt",
+    ),
+    "routing-T0": Preset(
+        os.path.join(MIX, "target"), 0,
+        (ServedConfig("plain"),
+         plugin_config("plugin draft-prose γ 4", [PROSE], 4),
+         plugin_config("plugin draft-code | draft-prose routed by prompt γ 4", [CODE, PROSE], 4, draft_routing="prompt")),
+        "plugin draft-prose γ 4",
+        "the mixed workload at T = 0 (creative 1.0), batch 1: the best model-draft chain of the baseline "
+        "(draft-prose γ 4) against the code / prose drafts routed by prompt",
+    ),
+}
+
+
+def pause(server, paused: bool) -> None:
+    """Stop (``paused``) or continue every process of ``server``'s group (its API server, engine core
+    and worker): a stopped server takes no CPU while another one runs its round. If this process is
+    killed while a server is stopped, the server's parent-death SIGINT waits until it is continued:
+    ``pkill -CONT -f "vllm_specplugin.cli serve"`` ends it."""
+    if server.process is None or server.process.poll() is not None:
+        return  # never started, or gone
+    os.killpg(os.getpgid(server.process.pid), signal.SIGSTOP if paused else signal.SIGCONT)
+
+
+def rotation(count: int, round_index: int) -> list[int]:
+    """The order in which round ``round_index`` visits ``count`` servers: rotated by one each round,
+    so that no configuration always runs first (after the client's idle pause) or last."""
+    shift = round_index % count if count else 0
+    return list(range(shift, count)) + list(range(shift))
+
+
+@dataclass
+class Paired:
+    """One configuration's rounds: tokens/s per round, and its paired ratios (this round's speed over
+    the baseline's speed in the same round)."""
+
+    name: str
+    tokens_per_s: list[float] = field(default_factory=list)
+    ratios: dict[str, list[float]] = field(default_factory=dict)  # baseline name -> per-round ratio
+
+    def median(self, baseline: str) -> float:
+        return statistics.median(self.ratios[baseline])
+
+    def spread(self, baseline: str) -> tuple[float, float]:
+        return min(self.ratios[baseline]), max(self.ratios[baseline])
+
+
+def paired_ratios(rounds: list[dict[str, float]], baselines: list[str]) -> dict[str, Paired]:
+    """``rounds``: per round {config: tokens/s}. Returns per config its :class:`Paired`, with ratios
+    against each of ``baselines`` (all rounds where both ran). Raises ValueError when a baseline never
+    ran, or no round holds any result (nothing to compare is not a result)."""
+    if not rounds or not any(rounds):
+        raise ValueError("no round has a result")
+    names = list(dict.fromkeys(name for speeds in rounds for name in speeds))
+    for baseline in baselines:
+        if baseline not in names:
+            raise ValueError(f"baseline {baseline!r} has no round; configurations: {names}")
+    out = {name: Paired(name) for name in names}
+    for speeds in rounds:
+        for name, speed in speeds.items():
+            out[name].tokens_per_s.append(speed)
+            for baseline in baselines:
+                if baseline in speeds:
+                    out[name].ratios.setdefault(baseline, []).append(speed / speeds[baseline])
+    return out
+
+
+def summed(results: list[WorkloadResult]) -> WorkloadResult:
+    """One configuration's rounds as one result (counters and times summed): α, τ, c and r over all rounds."""
+    first = results[0]
+    total = WorkloadResult(first.config, first.batch, first.temperature, 0, 0.0, first.gamma, workload=first.workload)
+    for r in results:
+        total.output_tokens += r.output_tokens
+        total.wall_s += r.wall_s
+        total.drafts += r.drafts
+        total.draft_tokens += r.draft_tokens
+        total.accepted_tokens += r.accepted_tokens
+        for attr in ("draft_time_s", "step_time_s", "propose_calls"):
+            if getattr(r, attr) is not None:
+                setattr(total, attr, (getattr(total, attr) or 0.0) + getattr(r, attr))
+    return total
+
+
+def format_report(preset_name: str, preset: Preset, paired: dict[str, Paired], totals: dict[str, WorkloadResult],
+                  reference: str, header: str) -> str:
+    plain = preset.configs[0].name
+    lines = [f"# Interleaved A/B: {preset_name}", "", header, "",
+             f"| configuration | x plain, median (range) | x {reference}, median (range) | best round tok/s | τ | α | c | r |",
+             "|---|---|---|---|---|---|---|---|"]
+    plain_speed = statistics.median(paired[plain].tokens_per_s)
+    for config in preset.configs:
+        p = paired.get(config.name)
+        if p is None:
+            continue
+        total = totals[config.name]
+        low, high = p.spread(plain)
+        rlow, rhigh = p.spread(reference)
+        c = total.cost_ratio
+        r = total.verify_cost_ratio(plain_speed)
+        lines.append(
+            f"| {config.name} | {p.median(plain):.2f}x ({low:.2f}-{high:.2f}) | {p.median(reference):.3f}x "
+            f"({rlow:.2f}-{rhigh:.2f}) | {max(p.tokens_per_s):.1f} | {total.mean_accepted_length:.2f} | "
+            f"{'-' if total.alpha is None else f'{total.alpha:.3f}'} | {'-' if c is None else f'{c:.3f}'} | "
+            f"{'-' if r is None else f'{r:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_specplugin.throughput.interleaved",
+        description=__doc__.split("\n\n")[0] + " Each round visits the servers in a rotated order; each speed is "
+        "divided by plain decoding's and the reference's in the same round.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Presets:\n" + "\n".join(f"  {name}: {p.about}" for name, p in PRESETS.items()),
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="routing")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per configuration (default 5)")
+    parser.add_argument("--requests", type=int, default=16,
+                        help="requests of the mixed workload per round, sent one at a time (default 16: four of each category)")
+    parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--reference", help="the configuration every other is also compared with (default: the preset's)")
+    parser.add_argument("--only", help="comma-separated substrings: serve only the configurations whose name "
+                        "contains one (plain and the reference always)")
+    parser.add_argument("--out", default=os.path.join("runs", "bench"), help="directory for the .md and .json")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1:
+        parser.error("--rounds, --requests and --max-tokens must be >= 1")
+    preset = PRESETS[args.preset]
+    reference = args.reference or preset.reference
+    configs = list(preset.configs)
+    if reference not in [c.name for c in configs]:
+        parser.error(f"--reference {reference!r} is not a configuration of {args.preset}: {[c.name for c in configs]}")
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        configs = [c for i, c in enumerate(configs) if i == 0 or c.name == reference or any(w in c.name for w in wanted)]
+    if not os.path.isdir(preset.target):
+        parser.error(f"{preset.target} is not built (python -m vllm_specplugin.models.mix all)")
+
+    from tqdm import tqdm
+
+    requests = mixed_requests(args.requests, setting=preset.setting)
+    texts, temperatures = [p.text for p in requests], [p.temperature for p in requests]
+    servers = []
+    rounds: list[dict[str, float]] = []
+    results: dict[str, list[WorkloadResult]] = {c.name: [] for c in configs}
+    started = time.strftime("%Y%m%d-%H%M%S")
+    try:
+        for config in tqdm(configs, desc="starting servers", unit="server"):
+            server = config.server(preset.target)
+            server.__enter__()
+            servers.append(server)
+            run_workload(server, config, texts[:2], batch=1, temperature=temperatures[:2], max_tokens=8)  # warm-up
+            pause(server, True)
+        with tqdm(total=args.rounds * len(configs), desc="rounds", unit="run") as bar:
+            for index in range(args.rounds):
+                speeds: dict[str, float] = {}
+                for k in rotation(len(configs), index):
+                    pause(servers[k], False)
+                    time.sleep(RESUME_SETTLE_S)
+                    run = WorkloadRun(servers[k], configs[k], [(texts, 1)], temperature=temperatures,
+                                      max_tokens=args.max_tokens, workload=f"mixed-T{preset.setting}")
+                    run.begin()
+                    run.generate()
+                    result = run.finish()
+                    results[configs[k].name].append(result)
+                    speeds[configs[k].name] = result.tokens_per_s
+                    pause(servers[k], True)
+                    bar.update()
+                rounds.append(speeds)
+    finally:
+        for server in reversed(servers):
+            pause(server, False)  # a stopped process cannot act on the SIGINT of a graceful stop
+            server.__exit__(None, None, None)
+    paired = paired_ratios(rounds, [configs[0].name, reference])
+    totals = {name: summed(rs) for name, rs in results.items() if rs}
+    header = (f"{preset.about}. Target {os.path.relpath(preset.target)}; {args.requests} requests of the mixed "
+              f"workload (setting {preset.setting}) x {args.max_tokens} tokens per round, one at a time, "
+              f"{args.rounds} rounds, servers side by side, order rotated each round; started {started}. "
+              f"Ratios are paired within a round; τ, α, c, r over every round.")
+    report = format_report(args.preset, dataclasses.replace(preset, configs=tuple(configs)), paired, totals, reference,
+                           header)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"interleaved-{args.preset}-{started}")
+    with open(stem + ".md", "w") as f:
+        f.write(report)
+    with open(stem + ".json", "w") as f:
+        json.dump({"preset": args.preset, "reference": reference, "rounds": rounds, "args": vars(args),
+                   "results": {name: [r.as_dict() for r in rs] for name, rs in results.items()}}, f, indent=1)
+    print(report)
+    print(f"saved {stem}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
