@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_specplugin.throughput.bench import WorkloadResult
-from vllm_specplugin.throughput.interleaved import PRESETS, main, paired_ratios, rotation, summed
+from vllm_specplugin.throughput.interleaved import PRESETS, main, paired_ratios, rotation, summed, workload_prompts
 
 
 def test_rotation_visits_every_server_once_and_moves_the_first():
@@ -70,3 +70,14 @@ def test_help_names_the_presets(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "Presets:" in out and all(name in out for name in PRESETS)
+
+
+def test_workload_prompts():
+    texts, temperatures = workload_prompts("mixed-T1", 8)
+    assert len(texts) == 8 and sorted(set(temperatures)) == [1.0, 1.3]
+    texts, temperatures = workload_prompts("heldout-T0", 3)
+    assert len(texts) == 3 and temperatures == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="unknown workload"):
+        workload_prompts("mixed-T2", 4)
+    with pytest.raises(ValueError, match="only 48"):
+        workload_prompts("heldout-T1", 49)

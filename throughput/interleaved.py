@@ -30,30 +30,57 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from vllm_specplugin.throughput.bench import (MODELS, ServedConfig, WorkloadResult, WorkloadRun,
+from vllm_specplugin.throughput.bench import (MODELS, PLUGIN_PROPOSER, ServedConfig, WorkloadResult, WorkloadRun,
                                               builtin_draft_model_config, plugin_config, run_workload)
-from vllm_specplugin.throughput.workloads import mixed_requests
+from vllm_specplugin.throughput.workloads import heldout_prompts, mixed_requests
 
 MIX = os.path.join(MODELS, "demo-mix")
+MB = os.path.join(MODELS, "demo-mb")
+EAGLE_LONG = os.path.join(MB, "eagle-long")
 RESUME_SETTLE_S = 1.0  # after SIGCONT, before the round: the server's loops pick up again
 CODE, PROSE = "demo-mix/draft-code", "demo-mix/draft-prose"
 
 
 @dataclass(frozen=True)
 class Preset:
-    """Servers to compare on one workload: ``configs`` (plain first), the mixed workload's setting
-    (0: T = 0 with creative at 1.0; 1: T = 1 with creative at 1.3) and the default reference."""
+    """Servers to compare on one workload: ``configs`` (plain first), the ``workload`` (see
+    :func:`workload_prompts`) and the default reference."""
 
     target: str
-    setting: int
+    workload: str
     configs: tuple[ServedConfig, ...]
     reference: str
     about: str
 
 
+WORKLOADS = ("mixed-T0", "mixed-T1", "heldout-T0", "heldout-T1")
+
+
+def workload_prompts(workload: str, count: int) -> tuple[list[str], list[float]]:
+    """(prompt texts, one temperature each): ``mixed-T0`` / ``mixed-T1``: the mixed stream of
+    :func:`~vllm_specplugin.throughput.workloads.mixed_requests` at setting 0 (T = 0, creative 1.0) or
+    1 (T = 1, creative 1.3); ``heldout-T0`` / ``heldout-T1``: the held-out code prompts at T = 0 / 1
+    (at most 48)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; one of {WORKLOADS}")
+    kind, temperature = workload.split("-T")
+    if kind == "mixed":
+        requests = mixed_requests(count, setting=int(temperature))
+        return [p.text for p in requests], [p.temperature for p in requests]
+    return heldout_prompts(count), [float(temperature)] * count
+
+
+def _eagle(name: str, k: int, options: dict | None) -> ServedConfig:
+    """vLLM's own ``eagle`` (``options`` None) or the plugin's EAGLE head drafter over models/demo-mb/eagle-long."""
+    if options is None:
+        return ServedConfig(name, {"method": "eagle", "model": EAGLE_LONG, "num_speculative_tokens": k})
+    return ServedConfig(name, {"method": "custom_class", "model": PLUGIN_PROPOSER, "num_speculative_tokens": k},
+                        {"specplugin": {"eagle_head": EAGLE_LONG, **options}})
+
+
 PRESETS = {
     "routing": Preset(
-        os.path.join(MIX, "target"), 1,
+        os.path.join(MIX, "target"), "mixed-T1",
         (ServedConfig("plain"),
          builtin_draft_model_config(CODE, 6),
          plugin_config("plugin draft-code γ 6", [CODE], 6),
@@ -66,13 +93,25 @@ PRESETS = {
         "(draft-code's chain of 6), vLLM's draft_model with it, and the code / prose drafts routed by prompt",
     ),
     "routing-T0": Preset(
-        os.path.join(MIX, "target"), 0,
+        os.path.join(MIX, "target"), "mixed-T0",
         (ServedConfig("plain"),
          plugin_config("plugin draft-prose γ 4", [PROSE], 4),
          plugin_config("plugin draft-code | draft-prose routed by prompt γ 4", [CODE, PROSE], 4, draft_routing="prompt")),
         "plugin draft-prose γ 4",
         "the mixed workload at T = 0 (creative 1.0), batch 1: the best model-draft chain of the baseline "
         "(draft-prose γ 4) against the code / prose drafts routed by prompt",
+    ),
+    "eagle-tree": Preset(
+        os.path.join(MB, "target"), "heldout-T0",
+        (ServedConfig("plain"),
+         _eagle("vllm eagle[eagle-long] k=8", 8, None),
+         _eagle("plugin eagle[eagle-long] k=8 bfloat16", 8, {"draft_dtype": "bfloat16"}),
+         _eagle("plugin eagle[eagle-long] dynamic tree 8 bfloat16", 8,
+                {"draft_dtype": "bfloat16", "tree_drafting": {"node_budget": 8, "verify": "tree", "shape": "dynamic"}})),
+        "vllm eagle[eagle-long] k=8",
+        "issue 33's tree goal: the memory-bound target's long EAGLE-1 head (models/demo-mb/eagle-long) served "
+        "by vLLM's eagle (k = 8) and by the plugin (a sampled chain of 8, a dynamic tree of 8 verified whole, "
+        "bfloat16), held-out code prompts at T = 0, batch 1",
     ),
 }
 
@@ -181,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="routing")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per configuration (default 5)")
     parser.add_argument("--requests", type=int, default=16,
-                        help="requests of the mixed workload per round, sent one at a time (default 16: four of each category)")
+                        help="requests per round, sent one at a time (default 16; the mixed workload: four of each "
+                        "category; held-out prompts: at most 48)")
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--reference", help="the configuration every other is also compared with (default: the preset's)")
     parser.add_argument("--only", help="comma-separated substrings: serve only the configurations whose name "
@@ -203,8 +243,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    requests = mixed_requests(args.requests, setting=preset.setting)
-    texts, temperatures = [p.text for p in requests], [p.temperature for p in requests]
+    try:
+        texts, temperatures = workload_prompts(preset.workload, args.requests)
+    except ValueError as error:
+        parser.error(str(error))
     servers = []
     rounds: list[dict[str, float]] = []
     results: dict[str, list[WorkloadResult]] = {c.name: [] for c in configs}
@@ -223,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                     pause(servers[k], False)
                     time.sleep(RESUME_SETTLE_S)
                     run = WorkloadRun(servers[k], configs[k], [(texts, 1)], temperature=temperatures,
-                                      max_tokens=args.max_tokens, workload=f"mixed-T{preset.setting}")
+                                      max_tokens=args.max_tokens, workload=preset.workload)
                     run.begin()
                     run.generate()
                     result = run.finish()
@@ -238,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             server.__exit__(None, None, None)
     paired = paired_ratios(rounds, [configs[0].name, reference])
     totals = {name: summed(rs) for name, rs in results.items() if rs}
-    header = (f"{preset.about}. Target {os.path.relpath(preset.target)}; {args.requests} requests of the mixed "
-              f"workload (setting {preset.setting}) x {args.max_tokens} tokens per round, one at a time, "
+    header = (f"{preset.about}. Target {os.path.relpath(preset.target)}; {args.requests} requests of workload "
+              f"{preset.workload} x {args.max_tokens} tokens per round, one at a time, "
               f"{args.rounds} rounds, servers side by side, order rotated each round; started {started}. "
               f"Ratios are paired within a round; τ, α, c, r over every round.")
     report = format_report(args.preset, dataclasses.replace(preset, configs=tuple(configs)), paired, totals, reference,
