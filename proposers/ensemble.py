@@ -202,9 +202,8 @@ class EnsembleProposer(Proposer):
         items = [(rid, list(context), paths) for rid, context, paths in items]
         if self.route:
             self.route_requests([rid for rid, _, _ in items], [context for _, context, _ in items])
-            parts = self._routed_probs(len(items), lambda rt, mine: DraftBatch.branches_of(rt, [items[k] for k in mine]),
-                                       [rid for rid, _, _ in items], [len(paths) for _, _, paths in items])
-            return parts
+            return self._routed_probs(len(items), lambda rt, mine: DraftBatch.branches_of(rt, [items[k] for k in mine]),
+                                      [rid for rid, _, _ in items], [len(paths) for _, _, paths in items])
         row_ids = [rid for rid, _, paths in items for _ in paths]
         mixture = self._mixture(lambda rt: DraftBatch.branches_of(rt, items), row_ids)
         return list(mixture.split([len(paths) for _, _, paths in items]))
@@ -261,7 +260,8 @@ class EnsembleProposer(Proposer):
     def row_weights(self, request_ids: Sequence[str]) -> torch.Tensor:
         """The mixture weights of each row's request: [len(request_ids), D] float32 (CPU). With
         adaptive weights a request's own once it has a verdict; before, the population's
-        (:attr:`weights`), or :attr:`fixed_weights` for a seeded request."""
+        (:attr:`weights`), or :attr:`fixed_weights` for a seeded request. Routing: one-hot on a
+        routed request's draft."""
         weights = self._weights.expand(len(request_ids), -1).clone()
         if self.route:
             for row, rid in enumerate(request_ids):
