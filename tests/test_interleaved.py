@@ -54,6 +54,7 @@ def test_presets_start_with_plain_and_name_their_reference():
     for preset in PRESETS.values():
         names = [c.name for c in preset.configs]
         assert names[0] == "plain" and preset.reference in names and len(set(names)) == len(names)
+        assert all(name in names and reference in names for name, reference in preset.pairs)
 
 
 def test_cli_refuses_bad_arguments(capsys):
@@ -81,3 +82,19 @@ def test_workload_prompts():
         workload_prompts("mixed-T2", 4)
     with pytest.raises(ValueError, match="only 48"):
         workload_prompts("heldout-T1", 49)
+
+
+def test_report_compares_a_pair_with_its_own_reference():
+    from vllm_specplugin.throughput.bench import ServedConfig
+    from vllm_specplugin.throughput.interleaved import Preset, format_report
+
+    names = ["plain", "chain 8", "chain 16", "tree 16"]
+    preset = Preset("t", "heldout-T1", tuple(ServedConfig(n) for n in names), "chain 8", "about",
+                    pairs=(("tree 16", "chain 16"),))
+    rounds = [{"plain": 50.0, "chain 8": 100.0, "chain 16": 80.0, "tree 16": 88.0}] * 3
+    paired = paired_ratios(rounds, ["plain", "chain 8", "chain 16"])
+    totals = {n: summed([WorkloadResult(n, 1, 1.0, 48, 0.5, 0)]) for n in names}
+    rows = {line.split(" | ")[0][2:]: line for line in format_report("x", preset, paired, totals, "chain 8", "h").splitlines()
+            if line.startswith("| ") and not line.startswith("| configuration")}
+    assert "1.100x (1.10-1.10) x chain 16" in rows["tree 16"]  # 88 / 80, not 88 / 100
+    assert "0.800x (0.80-0.80) |" in rows["chain 16"]  # against the default reference

@@ -37,6 +37,7 @@ from vllm_specplugin.throughput.workloads import heldout_prompts, mixed_requests
 MIX = os.path.join(MODELS, "demo-mix")
 MB = os.path.join(MODELS, "demo-mb")
 EAGLE_LONG = os.path.join(MB, "eagle-long")
+MB_DRAFT, TINY_DRAFT = "demo-mb/draft", "demo/draft-distill"
 RESUME_SETTLE_S = 1.0  # after SIGCONT, before the round: the server's loops pick up again
 CODE, PROSE = "demo-mix/draft-code", "demo-mix/draft-prose"
 
@@ -51,6 +52,12 @@ class Preset:
     configs: tuple[ServedConfig, ...]
     reference: str
     about: str
+    # (configuration, its own reference) pairs compared instead of with ``reference`` (e.g. a tree
+    # with the chain of as many drafts)
+    pairs: tuple[tuple[str, str], ...] = ()
+
+    def reference_of(self, name: str, default: str) -> str:
+        return dict(self.pairs).get(name, default)
 
 
 WORKLOADS = ("mixed-T0", "mixed-T1", "heldout-T0", "heldout-T1")
@@ -68,6 +75,12 @@ def workload_prompts(workload: str, count: int) -> tuple[list[str], list[float]]
         requests = mixed_requests(count, setting=int(temperature))
         return [p.text for p in requests], [p.temperature for p in requests]
     return heldout_prompts(count), [float(temperature)] * count
+
+
+def _tree(nodes: int, draft: str, label: str = "") -> ServedConfig:
+    """A dynamic tree of ``nodes`` nodes verified whole (as tests/benchmarks/test_bench_tree_shape.py serves it)."""
+    return plugin_config(f"tree {nodes}{label}", [draft], nodes,
+                         tree_drafting={"node_budget": nodes, "verify": "tree", "shape": "dynamic"})
 
 
 def _eagle(name: str, k: int, options: dict | None) -> ServedConfig:
@@ -112,6 +125,17 @@ PRESETS = {
         "issue 33's tree goal: the memory-bound target's long EAGLE-1 head (models/demo-mb/eagle-long) served "
         "by vLLM's eagle (k = 8) and by the plugin (a sampled chain of 8, a dynamic tree of 8 verified whole, "
         "bfloat16), held-out code prompts at T = 0, batch 1",
+    ),
+    "tree": Preset(
+        os.path.join(MB, "target"), "heldout-T1",
+        (ServedConfig("plain"),
+         *[config for n in (8, 16) for config in (plugin_config(f"chain {n}", [MB_DRAFT], n), _tree(n, MB_DRAFT))],
+         plugin_config("chain 8, tiny draft", [TINY_DRAFT], 8), _tree(8, TINY_DRAFT, ", tiny draft")),
+        "chain 8",
+        "issue 31's tree goals: dynamic trees of 8 and 16 nodes verified whole against chains of as many drafts "
+        "(the memory-bound pair; and the tiny draft demo/draft-distill, where drafts are uncertain), held-out "
+        "code prompts at T = 1, batch 1",
+        pairs=(("tree 16", "chain 16"), ("tree 8, tiny draft", "chain 8, tiny draft")),
     ),
 }
 
@@ -189,7 +213,8 @@ def format_report(preset_name: str, preset: Preset, paired: dict[str, Paired], t
                   reference: str, header: str) -> str:
     plain = preset.configs[0].name
     lines = [f"# Interleaved A/B: {preset_name}", "", header, "",
-             f"| configuration | x plain, median (range) | x {reference}, median (range) | best round tok/s | τ | α | c | r |",
+             f"| configuration | x plain, median (range) | x its reference (default {reference}), median (range) "
+             "| best round tok/s | τ | α | c | r |",
              "|---|---|---|---|---|---|---|---|"]
     plain_speed = statistics.median(paired[plain].tokens_per_s)
     for config in preset.configs:
@@ -197,13 +222,14 @@ def format_report(preset_name: str, preset: Preset, paired: dict[str, Paired], t
         if p is None:
             continue
         total = totals[config.name]
+        own = preset.reference_of(config.name, reference)
         low, high = p.spread(plain)
-        rlow, rhigh = p.spread(reference)
+        rlow, rhigh = p.spread(own)
         c = total.cost_ratio
         r = total.verify_cost_ratio(plain_speed)
         lines.append(
-            f"| {config.name} | {p.median(plain):.2f}x ({low:.2f}-{high:.2f}) | {p.median(reference):.3f}x "
-            f"({rlow:.2f}-{rhigh:.2f}) | {max(p.tokens_per_s):.1f} | {total.mean_accepted_length:.2f} | "
+            f"| {config.name} | {p.median(plain):.2f}x ({low:.2f}-{high:.2f}) | {p.median(own):.3f}x "
+            f"({rlow:.2f}-{rhigh:.2f}){'' if own == reference else f' x {own}'} | {max(p.tokens_per_s):.1f} | {total.mean_accepted_length:.2f} | "
             f"{'-' if total.alpha is None else f'{total.alpha:.3f}'} | {'-' if c is None else f'{c:.3f}'} | "
             f"{'-' if r is None else f'{r:.2f}'} |")
     return "\n".join(lines) + "\n"
@@ -225,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--reference", help="the configuration every other is also compared with (default: the preset's)")
     parser.add_argument("--only", help="comma-separated substrings: serve only the configurations whose name "
-                        "contains one (plain and the reference always)")
+                        "contains one (plain, the reference and each one's own reference always)")
     parser.add_argument("--out", default=os.path.join("runs", "bench"), help="directory for the .md and .json")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1:
@@ -237,9 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--reference {reference!r} is not a configuration of {args.preset}: {[c.name for c in configs]}")
     if args.only:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        configs = [c for i, c in enumerate(configs) if i == 0 or c.name == reference or any(w in c.name for w in wanted)]
+        kept = {c.name for i, c in enumerate(configs) if i == 0 or c.name == reference or any(w in c.name for w in wanted)}
+        kept |= {preset.reference_of(name, reference) for name in kept}  # each kept one's own reference too
+        configs = [c for c in configs if c.name in kept]
     if not os.path.isdir(preset.target):
-        parser.error(f"{preset.target} is not built (python -m vllm_specplugin.models.mix all)")
+        parser.error(f"{preset.target} is not built (make models)")
 
     from tqdm import tqdm
 
@@ -278,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         for server in reversed(servers):
             pause(server, False)  # a stopped process cannot act on the SIGINT of a graceful stop
             server.__exit__(None, None, None)
-    paired = paired_ratios(rounds, [configs[0].name, reference])
+    served = [c.name for c in configs]
+    references = list(dict.fromkeys([configs[0].name, reference] + [r for n, r in preset.pairs if n in served]))
+    paired = paired_ratios(rounds, references)
     totals = {name: summed(rs) for name, rs in results.items() if rs}
     header = (f"{preset.about}. Target {os.path.relpath(preset.target)}; {args.requests} requests of workload "
               f"{preset.workload} x {args.max_tokens} tokens per round, one at a time, "
