@@ -20,6 +20,7 @@ least-recently-used eviction; an evicted request just re-prefills next time.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Defaults of the DraftRuntime parameters of the same names (documented there).
 SOLO_PREFILL_THRESHOLD = 16
 KV_CHUNK_TOKENS = 256
-LOG_FLOOR = -27.631021115928547  # log(1e-12): the least a scored token counts (mean_log_likelihood)
+LOG_FLOOR = math.log(1e-12)  # the least a scored token's log-probability counts (here and in the ensemble)
 
 
 class DraftModelError(ValueError):

@@ -28,7 +28,6 @@ extended past its γ or pushed to positions beyond the draft's ``max_position_em
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,14 +35,13 @@ from dataclasses import dataclass
 import torch
 
 from vllm_specplugin.proposers.base import Draft, DraftRequest, Proposer
-from vllm_specplugin.proposers.draft_runtime import DraftBatch, DraftRuntime
+from vllm_specplugin.proposers.draft_runtime import LOG_FLOOR, DraftBatch, DraftRuntime
 from vllm_specplugin.proposers.metrics import DraftMetrics, accepted_count
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs_rows, sample_rows
 
 # Defaults of the EnsembleProposer parameters of the same names (documented there).
 FORGETTING = 0.01
 MIN_WEIGHT = 0.02
-LOG_FLOOR = math.log(1e-12)  # a draft's log-probability of an emitted token counts at least this
 ROUTE_WINDOW = 32  # routing: the context tokens (the prompt's last) each draft is scored on
 
 
