@@ -17,8 +17,10 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
 STARTER = """
-import sys, threading, time
+import signal, sys, threading, time
 from vllm_specplugin.server import spawn_tied_to_parent
+if sys.argv[1] == "ignoring":  # a starter that ignores SIGINT (as a pytest-xdist worker may by then)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 children = []
 def start():
     children.append(spawn_tied_to_parent([sys.executable, "-c", "import time; time.sleep(600)"],
@@ -63,8 +65,12 @@ def test_a_child_started_from_a_thread_outlives_that_thread():
             os.kill(child, 9)
 
 
-def test_the_child_dies_with_the_process_that_started_it():
-    starter, child = _start("main")
+@pytest.mark.parametrize("how", ["main", "ignoring"])
+def test_the_child_dies_with_the_process_that_started_it(how):
+    """Also when the starter ignores SIGINT: an ignored signal stays ignored across fork and exec, so
+    the tie's SIGINT would do nothing to a child that installs no handler of its own (seen in make
+    test: the stand-in outlived its starter in a worker left ignoring SIGINT by an earlier test)."""
+    starter, child = _start(how)
     try:
         time.sleep(1.0)  # past the tie, in the child's exec'd program
         assert _running(child), "the stand-in child did not start"

@@ -42,6 +42,9 @@ parent = int(sys.argv[1])
 ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGINT))  # PR_SET_PDEATHSIG
 if os.getppid() != parent:  # the parent died before the tie was made
     sys.exit(1)
+# An ignored SIGINT stays ignored across exec (and Python keeps it so): a starter that ignores it
+# would make the tie a no-op. The server gets the default, as if started from a shell.
+signal.signal(signal.SIGINT, signal.SIG_DFL)
 os.execvp(sys.argv[2], sys.argv[2:])
 """
 
@@ -50,8 +53,9 @@ def spawn_tied_to_parent(args: list[str], **popen_kwargs) -> subprocess.Popen:
     """``subprocess.Popen(args, **popen_kwargs)``, except that on Linux, called from the main thread,
     the child gets SIGINT when this process dies (``prctl(PR_SET_PDEATHSIG)``, kept across exec; set
     in the child before the exec rather than by a ``preexec_fn``, which is unsafe in a process with
-    threads). The kernel ties the child to the *thread* that started it, so from any other thread
-    (the soak starts its servers from threads that then end) and elsewhere: plain Popen."""
+    threads), with SIGINT back at its default action (an ignored signal stays ignored across exec).
+    The kernel ties the child to the *thread* that started it, so from any other thread (the soak
+    starts its servers from threads that then end) and elsewhere: plain Popen."""
     if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
         args = [sys.executable, "-c", _TIE_TO_PARENT, str(os.getpid()), *args]
     return subprocess.Popen(args, **popen_kwargs)
