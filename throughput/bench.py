@@ -58,6 +58,12 @@ def plugin_config(name: str, drafts: list[str], gamma: int = 3, **plugin_options
     )
 
 
+def dynamic_tree_config(name: str, drafts: list[str], nodes: int, **plugin_options) -> ServedConfig:
+    """The plugin's dynamic tree of ``nodes`` nodes verified whole (``num_speculative_tokens`` = nodes)."""
+    return plugin_config(name, drafts, nodes, **plugin_options,
+                         tree_drafting={"node_budget": nodes, "verify": "tree", "shape": "dynamic"})
+
+
 def builtin_draft_model_config(draft: str, gamma: int = 3) -> ServedConfig:
     """vLLM's own draft_model method (probabilistic drafts; exact on CPU with the plugin's repair)."""
     return ServedConfig(

@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 
 from vllm_specplugin.throughput.bench import (MODELS, PLUGIN_PROPOSER, ServedConfig, WorkloadResult, WorkloadRun,
-                                              builtin_draft_model_config, plugin_config, run_workload)
+                                              builtin_draft_model_config, combine_phases, dynamic_tree_config,
+                                              plugin_config, run_workload)
 from vllm_specplugin.throughput.workloads import heldout_prompts, mixed_requests
 
 MIX = os.path.join(MODELS, "demo-mix")
@@ -75,12 +76,6 @@ def workload_prompts(workload: str, count: int) -> tuple[list[str], list[float]]
         requests = mixed_requests(count, setting=int(temperature))
         return [p.text for p in requests], [p.temperature for p in requests]
     return heldout_prompts(count), [float(temperature)] * count
-
-
-def _tree(nodes: int, draft: str, label: str = "") -> ServedConfig:
-    """A dynamic tree of ``nodes`` nodes verified whole (as tests/benchmarks/test_bench_tree_shape.py serves it)."""
-    return plugin_config(f"tree {nodes}{label}", [draft], nodes,
-                         tree_drafting={"node_budget": nodes, "verify": "tree", "shape": "dynamic"})
 
 
 def _eagle(name: str, k: int, options: dict | None) -> ServedConfig:
@@ -129,8 +124,8 @@ PRESETS = {
     "tree": Preset(
         os.path.join(MB, "target"), "heldout-T1",
         (ServedConfig("plain"),
-         *[config for n in (8, 16) for config in (plugin_config(f"chain {n}", [MB_DRAFT], n), _tree(n, MB_DRAFT))],
-         plugin_config("chain 8, tiny draft", [TINY_DRAFT], 8), _tree(8, TINY_DRAFT, ", tiny draft")),
+         *[config for n in (8, 16) for config in (plugin_config(f"chain {n}", [MB_DRAFT], n), dynamic_tree_config(f"tree {n}", [MB_DRAFT], n))],
+         plugin_config("chain 8, tiny draft", [TINY_DRAFT], 8), dynamic_tree_config("tree 8, tiny draft", [TINY_DRAFT], 8)),
         "chain 8",
         "issue 31's tree goals: dynamic trees of 8 and 16 nodes verified whole against chains of as many drafts "
         "(the memory-bound pair; and the tiny draft demo/draft-distill, where drafts are uncertain), held-out "
@@ -194,19 +189,9 @@ def paired_ratios(rounds: list[dict[str, float]], baselines: list[str]) -> dict[
 
 
 def summed(results: list[WorkloadResult]) -> WorkloadResult:
-    """One configuration's rounds as one result (counters and times summed): α, τ, c and r over all rounds."""
-    first = results[0]
-    total = WorkloadResult(first.config, first.batch, first.temperature, 0, 0.0, first.gamma, workload=first.workload)
-    for r in results:
-        total.output_tokens += r.output_tokens
-        total.wall_s += r.wall_s
-        total.drafts += r.drafts
-        total.draft_tokens += r.draft_tokens
-        total.accepted_tokens += r.accepted_tokens
-        for attr in ("draft_time_s", "step_time_s", "propose_calls"):
-            if getattr(r, attr) is not None:
-                setattr(total, attr, (getattr(total, attr) or 0.0) + getattr(r, attr))
-    return total
+    """One configuration's rounds as one result (counters and times summed: bench's
+    :func:`combine_phases`, less its phases, which would leave r unmeasured): α, τ, c and r over all rounds."""
+    return dataclasses.replace(combine_phases(results), phases=[])
 
 
 def format_report(preset_name: str, preset: Preset, paired: dict[str, Paired], totals: dict[str, WorkloadResult],

@@ -24,7 +24,8 @@ import os
 
 import pytest
 
-from vllm_specplugin.throughput.bench import DEMO_MB, ServedConfig, benchmark_workload, plugin_config, served_fixture
+from vllm_specplugin.throughput.bench import (DEMO_MB, ServedConfig, benchmark_workload, dynamic_tree_config,
+                                              plugin_config, served_fixture)
 from vllm_specplugin.throughput.workloads import heldout_prompts
 
 pytestmark = [pytest.mark.server]
@@ -37,8 +38,7 @@ MAX_TOKENS = 48
 
 
 def _tree(nodes: int, draft: str = MB_DRAFT, label: str = "") -> ServedConfig:
-    return plugin_config(f"tree {nodes}{label}", [draft], nodes,
-                         tree_drafting={"node_budget": nodes, "verify": "tree", "shape": "dynamic"})
+    return dynamic_tree_config(f"tree {nodes}{label}", [draft], nodes)
 
 
 CONFIGS = [ServedConfig("plain")] + [
