@@ -770,6 +770,86 @@ def dynamic_tree_steps(
     return TokenTree(tokens, parents, depths, torch.stack(rows), rule=rule)
 
 
+# The extra cost of a step that verifies a branched tree over one that verifies a chain of as many
+# nodes, as a fraction of the chain step (TreeProposer's branch_cost default). Measured on the
+# memory-bound target at batch 1, T = 1 (interleaved --preset tree, 7 Dec: the tiny draft's trees,
+# 570 of 766 steps branched, cost 29.0 ms a step against its chain's 24.0 ms; the tree step's verify
+# path and its wider draft waves): 0.2. At batch 16 the tree step cost 1.37x the chain's (issue 31).
+DEFAULT_BRANCH_COST = 0.2
+
+
+def _sibling_shares(confidence: float, drawn: bool, count: int) -> list[float]:
+    """The q of a node's 2nd, 3rd, ... child under the static model of :func:`expected_chain_and_tree`,
+    from the node's mean confidence c alone. Drawn children (c = Σ q²): q taken as uniform over 1 / c
+    tokens, so each further draw has q = c, while any is left. Top-k children (c = max q): the
+    k-th most likely token's q at most the one before's and the mass left, min(c, 1 - c - ...)."""
+    shares, left = [], 1.0 - confidence
+    previous = confidence
+    for _ in range(count):
+        share = min(previous, left)
+        if share <= 1e-12:
+            break
+        shares.append(share)
+        left -= share
+        previous = share if not drawn else previous
+    return shares
+
+
+def expected_chain_and_tree(alpha: Sequence[float], confidence: Sequence[float], depth: int, budget: int,
+                            drawn: bool) -> tuple[float, float]:
+    """(E_chain, E_tree): expected accepted tokens per verify step (the target's own token not
+    counted) of the chain of ``depth`` drafts and of the best tree of ``budget`` nodes at most
+    ``depth`` deep, under :func:`tree_acceptance`'s calibrated model on *static* nodes: every node
+    at depth d - 1 has the depth's mean ``confidence[d - 1]``, so its first child is accepted with
+    ``alpha[d - 1]`` exactly and its k-th child (k >= 2) with (1 - agree)(1 - miss) q_k, q_k from
+    :func:`_sibling_shares`. Known before any draft row is seen (a decision made on it keeps any
+    tree exact); best first over the static values, so E_tree >= E_chain, equal when no sibling is
+    worth a chain node. An estimate (real rows vary around the mean) for pricing a branched step
+    against a chain, not the builder's model."""
+    levels = []
+    for d in range(1, depth + 1):
+        measured, mean = float(_at_depth(alpha, d)), float(_at_depth(confidence, d))
+        agree, miss = acceptance_parameters(measured, min(1.0, mean))
+        spread = (1.0 - agree) * (1.0 - miss)
+        levels.append((measured, [spread * share for share in _sibling_shares(min(1.0, mean), drawn, budget)]))
+    e_chain, reach = 0.0, 1.0
+    for measured, _ in levels:
+        reach *= measured
+        e_chain += reach
+    # Best first: (-value, tie, node depth of the parent, child rank, parent's reach).
+    heap = [(-levels[0][0], 0, 0, 0, 1.0)]
+    e_tree, added, tie = 0.0, 0, 1
+    while heap and added < budget:
+        negative, _, parent_depth, rank, parent_reach = heapq.heappop(heap)
+        value = -negative
+        if value <= 0:
+            break
+        e_tree += value
+        added += 1
+        first, siblings = levels[parent_depth]
+        if rank < len(siblings):  # the parent's next child
+            heapq.heappush(heap, (-parent_reach * siblings[rank], tie, parent_depth, rank + 1, parent_reach))
+            tie += 1
+        if parent_depth + 1 < depth:  # this node's first child
+            heapq.heappush(heap, (-value * levels[parent_depth + 1][0], tie, parent_depth + 1, 0, value))
+            tie += 1
+    return e_chain, max(e_tree, e_chain)
+
+
+def expect_chain(alpha: Sequence[float], confidence: Sequence[float | None] | None, depth: int, budget: int,
+                 drawn: bool, branch_cost: float = DEFAULT_BRANCH_COST) -> bool:
+    """Whether a dynamic tree step should verify the chain of ``depth`` drafts rather than a branched
+    tree of ``budget`` nodes: true unless the tree's expected tokens per step (accepted + the
+    target's own, :func:`expected_chain_and_tree`) beat the chain's by more than the branched step's
+    extra cost, (1 + E_tree) > (1 + branch_cost)(1 + E_chain). False (the builder decides) when a
+    depth's confidence is not given. A chain is a tree: choosing it where branching does not pay
+    its step is how a dynamic tree never loses to the chain of as many drafts."""
+    if confidence is None or any(_at_depth(confidence, d) is None for d in range(1, depth + 1)):
+        return False
+    e_chain, e_tree = expected_chain_and_tree(alpha, confidence, depth, budget, drawn)
+    return 1.0 + e_tree <= (1.0 + branch_cost) * (1.0 + e_chain) + 1e-12
+
+
 @dataclass
 class DepthAcceptance:
     """One request's measured first-child acceptance by depth, from its verified drafts, for
@@ -997,7 +1077,10 @@ class TreeProposer(Proposer):
       child worth alpha, losing what its own confidence says); else none: the draft is the proxy,
       which for drawn children (T > 0, ``children="sampled"``) means the chain, until the
       request's own outcomes calibrate it (see :func:`tree_acceptance`). A request's calibration
-      depends only on its own history, so a seeded request stays reproducible. A chain drawn
+      depends only on its own history, so a seeded request stays reproducible. A submitted
+      tree's step is drafted as the chain unless the calibration expects the best tree to emit
+      more than (1 + ``branch_cost``) times the chain's tokens per step (:func:`expect_chain`):
+      a branched step costs more than a chain step of as many nodes. A chain drawn
       this way is handed to vLLM with the rows its tokens were drawn from (standard speculative
       sampling), any other tree with one-hot rows.
     """
@@ -1005,7 +1088,8 @@ class TreeProposer(Proposer):
     def __init__(self, ensemble: EnsembleProposer, node_budget: int = 16, branching: int = 3,
                  verify: str = "chain", max_depth: int | None = None, children: str = "sampled",
                  shape: str = "fixed", alpha: Sequence[float] | None = None,
-                 confidence: Sequence[float | None] | None = None, calibration_weight: float = 4.0):
+                 confidence: Sequence[float | None] | None = None, calibration_weight: float = 4.0,
+                 branch_cost: float = DEFAULT_BRANCH_COST):
         if node_budget < 1 or branching < 1:
             raise ValueError(f"need node_budget >= 1 and branching >= 1, got {node_budget} and {branching}")
         if verify not in ("chain", "tree"):
@@ -1018,7 +1102,10 @@ class TreeProposer(Proposer):
         _check_depth_values("confidence", confidence)
         if calibration_weight < 0:
             raise ValueError(f"calibration_weight must be >= 0, got {calibration_weight}")
+        if not branch_cost >= 0:
+            raise ValueError(f"branch_cost must be >= 0, got {branch_cost}")
         self.shape = shape
+        self.branch_cost = float(branch_cost)
         self.alpha = None if alpha is None else [float(a) for a in alpha]
         self.confidence = None if confidence is None else list(confidence)
         self.calibration_weight = calibration_weight
@@ -1122,44 +1209,26 @@ class TreeProposer(Proposer):
         self.ensemble.sync_cost_counters()
         return drafts
 
-    @staticmethod
-    def _expect_chain(growth: _TreeGrowth) -> bool:
-        """Whether, for ``growth`` (a submitted dynamic tree: drawn children at T > 0, top-k at T = 0),
-        the calibrated model expects the chain of ``growth.depth`` nodes, decided before any draft
-        row is seen: no node off the chain is expected to be worth the chain's last node.
-
-        Per depth d, with the calibration's (agree, miss) fitted on the depth's mean confidence, the
-        chain's node d is expected to be worth v_d = prod over j <= d of (agree_j + (1 - agree_j)
-        (1 - miss_j) conf_j), and a second child at depth d at most v_(d-1) (1 - agree_d)(1 - miss_d)
-        (its r with q <= 1 for a drawn child, q <= 1/2 for the second most likely; later children and
-        their subtrees are worth less). Without a calibration drawn children get the chain anyway (the
-        draft as proxy accepts every first child), top-k children the builder; a depth
-        whose confidence is not given (fitted per node) is left to the builder. The builder itself
-        would still hedge with a sibling after an unlikely draw (the realised values fall below the
-        expected ones); such a step is a chain here instead, drafted by the ensemble's chain loop
-        (or, beside other requests' trees, one token per wave: :func:`chain_steps`), the same draws
-        the chain proposer makes, at its cost: on the memory-bound pair the builder
-        spent 45-67% more draft time than the chain loop for the same chains (batch 1 / 16, T = 1,
-        tests/benchmarks/test_bench_tree_shape.py, 5 Dec). Any shape chosen without the target is
-        exact, so this is a cost decision only; it depends on the request's own history alone."""
+    def _expect_chain(self, growth: _TreeGrowth) -> bool:
+        """Whether ``growth`` (a submitted dynamic tree: drawn children at T > 0, top-k at T = 0) is
+        drafted as the chain of ``growth.depth`` nodes, decided before any draft row is seen, from
+        the request's calibration alone (:func:`expect_chain`, priced with ``branch_cost``).
+        Without a calibration drawn children get the chain anyway (the draft as proxy accepts
+        every first child), top-k children the builder; top-k children at T > 0 and a depth whose
+        confidence is not given (fitted per node) are left to the builder. Such a step is drafted by
+        the ensemble's chain loop (or, beside other requests' trees, one token per wave:
+        :func:`chain_steps`), the same draws the chain proposer makes, at its cost: on the
+        memory-bound pair the builder spent 45-67% more draft time than the chain loop for the same
+        chains (batch 1 / 16, T = 1, tests/benchmarks/test_bench_tree_shape.py, 5 Dec). Any shape
+        chosen without the target is exact, so this is a cost decision only; it depends on the
+        request's own history and the configuration alone (a seeded request stays reproducible)."""
         greedy = growth.request.params.greedy
         if not (growth.dynamic and growth.submit_tree and (growth.sampled or greedy)) or growth.depth < 1:
             return False
         if growth.alpha is None:
             return growth.sampled  # top-k without a measurement: EAGLE-2's values, the rows decide
-        # A second child's q: at most 1 when drawn, at most 1/2 when it is the second most likely.
-        second = 1.0 if growth.sampled else 0.5
-        chain = [1.0]
-        sibling = 0.0
-        for depth in range(1, growth.depth + 1):
-            measured, mean = _at_depth(growth.alpha, depth), _at_depth(growth.confidence, depth)
-            if measured is None or mean is None:
-                return False
-            agree, miss = acceptance_parameters(measured, mean)
-            spread = (1.0 - agree) * (1.0 - miss)
-            sibling = max(sibling, chain[-1] * spread * second)
-            chain.append(chain[-1] * (agree + spread * float(mean)))
-        return sibling <= chain[-1]
+        return expect_chain(growth.alpha, growth.confidence, growth.depth, growth.budget,
+                            drawn=growth.sampled, branch_cost=self.branch_cost)
 
     def _draw_chains(self, growths: list[_TreeGrowth]) -> list[Draft]:
         """Chains of ``growth.depth`` drawn tokens (the ensemble's loop; rows are the q each token

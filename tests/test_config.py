@@ -141,6 +141,12 @@ MALFORMED = [
      "tree_drafting.confidence"),
     ("tree calibration weight negative",
      {"specplugin": {"tree_drafting": {"shape": "dynamic", "calibration_weight": -1}}}, "tree_drafting.calibration_weight"),
+    ("tree branch cost negative",
+     {"specplugin": {"tree_drafting": {"shape": "dynamic", "branch_cost": -0.1}}}, "tree_drafting.branch_cost"),
+    ("tree branch cost a bool", {"specplugin": {"tree_drafting": {"shape": "dynamic", "branch_cost": True}}},
+     "tree_drafting.branch_cost"),
+    ("tree branch cost without the dynamic shape", {"specplugin": {"tree_drafting": {"branch_cost": 0.2}}},
+     "tree_drafting.branch_cost"),
     ("suffix drafting not an object", {"specplugin": {"suffix_drafting": 3}}, "suffix_drafting"),
     ("suffix drafting unknown key", {"specplugin": {"suffix_drafting": {"depth": 3}}}, "suffix_drafting.depth"),
     ("suffix drafting float match", {"specplugin": {"suffix_drafting": {"min_match": 1.5}}}, "suffix_drafting.min_match"),
@@ -209,10 +215,10 @@ def test_dynamic_tree_shape_keys_reach_the_tree_proposer():
     from vllm_specplugin.proposers.tree import TreeProposer
 
     raw = {"tree_drafting": {"shape": "dynamic", "alpha": [0.9, 0.7], "confidence": [0.8, 0.6],
-                             "calibration_weight": 2, "verify": "tree", "node_budget": 8}}
+                             "calibration_weight": 2, "branch_cost": 0, "verify": "tree", "node_budget": 8}}
     tree = SpecPluginConfig.from_dict(raw).tree_drafting
     assert tree == {"shape": "dynamic", "alpha": [0.9, 0.7], "confidence": [0.8, 0.6],
-                    "calibration_weight": 2.0, "verify": "tree", "node_budget": 8}
+                    "calibration_weight": 2.0, "branch_cost": 0.0, "verify": "tree", "node_budget": 8}
     assert set(tree) <= set(inspect.signature(TreeProposer).parameters)
     assert TREE_SHAPES == PROPOSER_SHAPES
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_specplugin.proposers.tree import build_sampled_tree, build_tree
+from vllm_specplugin.proposers.tree import build_dynamic_tree, build_sampled_tree, build_tree, enumerate_draws
 from vllm_specplugin.proposers.tree_verify import draft_probs_from_tree, drawn_children_law, emission_distribution
 from vllm_specplugin.throughput import tree_prediction as tp
 
@@ -180,6 +180,49 @@ def test_predict_position_at_T1_matches_enumeration(seed):
     se = draws.std(ddof=1) / np.sqrt(len(draws))
     exact = exact_sampled_mean(pair, setting.depth, setting.depth, 1)
     assert abs(tp.expected_tokens(result.laws["chain"]) - exact) < 4 * se + 1e-12
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dynamic_trees_and_the_chains_calibration_match_enumeration(seed):
+    """With Setting.dynamic (--alpha / --confidence): "dynamic N" is TreeProposer's calibrated dynamic
+    tree of N nodes (drawn children) and "chain N" the chain of N drafts, each Monte Carlo mean within
+    4 standard errors of the exact average over every draw (enumerate_draws, each tree walked by
+    emission_distribution); at T = 0 both exact. The chains' calibration: at depth 1 every draw reaches
+    the node, whose prediction is the root's Σ q² exactly and whose acceptance averages to
+    Σ min(p, q) (within 4 standard errors)."""
+    pair = Pair(300 + seed, vocab=5)
+    calibration = ([0.6, 0.5], [0.4, 0.4])
+    setting = tp.Setting(1.0, budgets=(3,), depth=2, branching=2, draws=600, dynamic=calibration)
+    result = tp.predict_position(setting, lambda paths: pair.draft(paths).float(), pair.target,
+                                 torch.Generator().manual_seed(seed))
+    root_q = pair.draft([()])[0].float()
+    expand = lambda paths: pair.draft(paths).float()  # noqa: E731
+    for key, build in (("dynamic 3", lambda draw: build_dynamic_tree(root_q, expand, 3, 3, children="sampled",
+                                                                      alpha=calibration[0], confidence=calibration[1],
+                                                                      draw=draw)),
+                       ("chain 3", lambda draw: build_sampled_tree(root_q, expand, 3, 3, 1, draw=draw))):
+        exact = 0.0
+        for weight, tree in enumerate_draws(build):
+            target = pair.target([tuple(tree.path(n)) for n in range(tree.num_nodes)])
+            exact += weight * mean_length(emission_distribution(target, draft_probs_from_tree(tree), tree.parents,
+                                                                tree.tokens, tree.rule))
+        draws = np.array(result.draw_means[key])
+        se = draws.std(ddof=1) / np.sqrt(len(draws))
+        assert abs(tp.expected_tokens(result.laws[key]) - exact) < 4 * se + 1e-12, (key, exact, se)
+    p, q = pair.target([()])[0].double(), pair.draft([()])[0].float().double()
+    q = q / q.sum()
+    reach, accepted, predicted = result.calibration[0]
+    assert reach == pytest.approx(1.0) and predicted == pytest.approx(float((q * q).sum()))
+    per_draw = [tp.chain_calibration(tree, pair.target([tuple(tree.path(n)) for n in range(tree.num_nodes)]))[0, 1]
+                for tree in [build_sampled_tree(root_q, expand, 2, 2, 1, torch.Generator().manual_seed(k))
+                             for k in range(400)]]
+    assert abs(accepted - float(torch.minimum(p / p.sum(), q).sum())) < 4 * np.std(per_draw) / np.sqrt(setting.draws)
+    greedy = tp.predict_position(tp.Setting(0.0, budgets=(3,), depth=2, branching=2, dynamic=calibration),
+                                 lambda paths: pair.draft(paths).float(), pair.target, torch.Generator())
+    tree = build_dynamic_tree(root_q, expand, 3, 3, children="topk", alpha=calibration[0], confidence=calibration[1])
+    target = pair.target([tuple(tree.path(n)) for n in range(tree.num_nodes)])
+    law = emission_distribution(target, None, tree.parents, tree.tokens, "one_hot", greedy=True)
+    assert abs(tp.expected_tokens(greedy.laws["dynamic 3"]) - mean_length(law)) < 1e-12
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

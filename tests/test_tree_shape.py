@@ -973,11 +973,15 @@ def test_expected_chain_steps_are_drawn_by_the_chain_loop():
     q = confident_q(32, 0.9, seed=5)
     mean_sq = float((q(()) ** 2).sum())
     alpha = [0.97, 0.95, 0.93, 0.92]
-    assert TreeProposer._expect_chain(growth(None, None))  # the draft as proxy: only the chain has value
-    assert TreeProposer._expect_chain(growth(alpha, [mean_sq] * 4))
-    assert not TreeProposer._expect_chain(growth([0.5], [0.3]))  # an uncertain draft: the builder decides
-    assert not TreeProposer._expect_chain(growth(alpha, None))  # fitted per node: cannot bound before the rows
-    assert not TreeProposer._expect_chain(growth(alpha, [mean_sq] * 4, sampled=False))  # top-k at T > 0: the builder
+    deciding = TreeProposer(FakeEnsemble(q, 32), node_budget=8, verify="tree", shape="dynamic")
+    assert deciding._expect_chain(growth(None, None))  # the draft as proxy: only the chain has value
+    assert deciding._expect_chain(growth(alpha, [mean_sq] * 4))
+    assert not deciding._expect_chain(growth([0.5], [0.3]))  # an uncertain draft: the builder decides
+    assert not deciding._expect_chain(growth(alpha, None))  # fitted per node: cannot bound before the rows
+    assert not deciding._expect_chain(growth(alpha, [mean_sq] * 4, sampled=False))  # top-k at T > 0: the builder
+    # The uncertain draft's branched step must pay its extra cost: at branch_cost 1 it is the chain.
+    assert TreeProposer(FakeEnsemble(q, 32), node_budget=8, verify="tree", shape="dynamic",
+                        branch_cost=1.0)._expect_chain(growth([0.5], [0.3]))
     chains = sum(is_chain(build_dynamic_tree(
         q(()).float(), lambda paths: torch.stack([q(tuple(p)) for p in paths]).float(), 8, 8, children="sampled",
         alpha=alpha, confidence=[mean_sq] * 4, generator=torch.Generator().manual_seed(seed))) for seed in range(40))
@@ -1043,3 +1047,38 @@ def test_population_prior_for_unseeded_requests_only():
     assert population.reached[0] == 4
     population.decay(4)  # halved once the window is full
     assert population.reached[0] == 2
+
+
+def test_the_static_model_prices_a_branched_step_against_the_chain():
+    """expected_chain_and_tree: the chain's expected accepted length is Σ_k Π_{d <= k} alpha_d; the
+    tree's is the best ``budget`` static node values (first child alpha_d, k-th child (1 - agree)
+    (1 - miss) q_k), never below the chain's; by hand on a small case. expect_chain: the chain unless
+    the tree's tokens per step beat the chain's by more than branch_cost."""
+    from vllm_specplugin.proposers.tree import DEFAULT_BRANCH_COST, expect_chain, expected_chain_and_tree
+
+    # alpha 0.5 at confidence 0.25: agree 1/3, so a sibling's value is its parent's x (2/3)(1/4) = 1/6,
+    # three siblings per node (q uniform over 4 tokens). Budget 3, depth 2: 0.5 (first child),
+    # 0.25 (its first child), 1/6 (a sibling of the first child); the chain of 2: 0.75.
+    e_chain, e_tree = expected_chain_and_tree([0.5], [0.25], depth=2, budget=3, drawn=True)
+    assert e_chain == pytest.approx(0.75) and e_tree == pytest.approx(0.5 + 0.25 + 1 / 6)
+    # Budget 4: the second root sibling (1/6) beats the first child's sibling (0.5 x 1/6).
+    assert expected_chain_and_tree([0.5], [0.25], 2, 4, True)[1] == pytest.approx(0.75 + 2 / 6)
+    # Top-k children at confidence 0.9: the second most likely has q <= 0.1, none after it.
+    e_chain, e_tree = expected_chain_and_tree([0.5], [0.9], 1, 3, drawn=False)
+    agree, miss = 0.0, 1 - 0.5 / 0.9
+    assert e_chain == pytest.approx(0.5) and e_tree == pytest.approx(0.5 + (1 - agree) * (1 - miss) * 0.1)
+    alpha = [0.9, 0.8, 0.7, 0.6]
+    e_chain, e_tree = expected_chain_and_tree(alpha, [0.3] * 4, 6, 6, True)
+    assert e_chain == pytest.approx(sum(math.prod(([0.9, 0.8, 0.7] + [0.6] * 3)[:k]) for k in range(1, 7)))
+    assert e_tree >= e_chain
+    # A draft whose measured acceptance is all agreement (alpha 1): nothing beats the chain.
+    assert expected_chain_and_tree([1.0], [0.3], 5, 5, True) == (5.0, 5.0)
+    # The decision: measured on the memory-bound target at T = 1 (7 Dec), its own draft is accepted
+    # 0.95 a position at Σ q² 0.3 (chain), the tiny draft 0.66 at 0.25: its tree of 8 promises 1.06x
+    # the chain's tokens (the offline exact law: 1.057x), less than a branched step's extra cost.
+    assert expect_chain([0.95], [0.3], 8, 8, True, DEFAULT_BRANCH_COST)
+    assert expect_chain([0.66], [0.25], 8, 8, True, DEFAULT_BRANCH_COST)
+    assert not expect_chain([0.66], [0.25], 8, 8, True, branch_cost=0.0)
+    assert not expect_chain([0.66], [0.25], 16, 16, True, DEFAULT_BRANCH_COST)  # 1.22x at 16 nodes
+    assert not expect_chain([0.66], [None], 8, 8, True)  # a depth fitted per node: the builder decides
+    assert not expect_chain([0.66], None, 8, 8, True)

@@ -125,12 +125,14 @@ PRESETS = {
         os.path.join(MB, "target"), "heldout-T1",
         (ServedConfig("plain"),
          *[config for n in (8, 16) for config in (plugin_config(f"chain {n}", [MB_DRAFT], n), dynamic_tree_config(f"tree {n}", [MB_DRAFT], n))],
-         plugin_config("chain 8, tiny draft", [TINY_DRAFT], 8), dynamic_tree_config("tree 8, tiny draft", [TINY_DRAFT], 8)),
+         *[config for n in (8, 16) for config in (plugin_config(f"chain {n}, tiny draft", [TINY_DRAFT], n),
+                                                  dynamic_tree_config(f"tree {n}, tiny draft", [TINY_DRAFT], n))]),
         "chain 8",
         "issue 31's tree goals: dynamic trees of 8 and 16 nodes verified whole against chains of as many drafts "
         "(the memory-bound pair; and the tiny draft demo/draft-distill, where drafts are uncertain), held-out "
         "code prompts at T = 1, batch 1",
-        pairs=(("tree 16", "chain 16"), ("tree 8, tiny draft", "chain 8, tiny draft")),
+        pairs=(("tree 16", "chain 16"), ("tree 8, tiny draft", "chain 8, tiny draft"),
+               ("tree 16, tiny draft", "chain 16, tiny draft")),
     ),
 }
 

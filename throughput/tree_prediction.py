@@ -69,7 +69,8 @@ import torch
 
 from vllm_specplugin.paths import models_dir, require_demo_models
 from vllm_specplugin.proposers.sampling import SamplingParams, processed_probs, sample
-from vllm_specplugin.proposers.tree import TokenTree, build_sampled_tree, build_tree, enumerate_draws
+from vllm_specplugin.proposers.tree import (TokenTree, build_dynamic_tree, build_sampled_tree, build_tree,
+                                           enumerate_draws, expected_chain_and_tree, predicted_first_acceptance)
 from vllm_specplugin.proposers.tree_verify import (AcceptanceRule, acceptance_probability, after_rejection,
                                                    draft_probs_from_tree, tree_attention_mask, tree_children,
                                                    tree_depths)
@@ -290,6 +291,9 @@ class Setting:
     depth: int = 4
     branching: int = 3
     draws: int = 8  # Monte Carlo trees (and chains) per position at T > 0
+    # (alpha, confidence) by depth: also predict TreeProposer's dynamic tree of each budget calibrated
+    # so ("dynamic N") and the chain of N drafts it is compared with ("chain N").
+    dynamic: tuple[list[float], list[float]] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -310,6 +314,9 @@ class Setting:
 class PositionResult:
     laws: dict[str, np.ndarray]  # key "tree 8", "best_path 8", "chain", "chain_formula", "draft_only_best 8"
     draw_means: dict[str, list[float]] = field(default_factory=dict)  # per-draw expectations (Monte Carlo keys)
+    # Per depth d (index d - 1) of the "chain" drafts: [P(reach the node), P(accept it), P(reach) x its
+    # draft-as-proxy prediction], averaged over the draws: TreeProposer's calibration, measured exactly.
+    calibration: np.ndarray | None = None
     trees: dict[str, list[TokenTree]] = field(default_factory=dict)  # the drawn trees (keep_trees only)
 
 
@@ -350,6 +357,8 @@ def predict_position(setting: Setting, draft_rows: RowCache, target_rows: RowCac
 
     out = PositionResult({})
     greedy = setting.greedy
+    if setting.dynamic is not None:
+        _predict_dynamic(setting, root_q, expand, draft_rows, target_rows, generator, out)
     for b, tree in topk.items():
         node = tree.best_node(max_depth=depth)
         path = tree.path(node)
@@ -372,11 +381,64 @@ def predict_position(setting: Setting, draft_rows: RowCache, target_rows: RowCac
             out.draw_means[f"tree {b}"] = [expected_tokens(law) for law in laws]
         laws = [_pad(tree_pass_law(path_rows(t, target_rows), draft_probs_from_tree(t), t.parents, t.tokens, t.rule),
                      size) for t in chains]
+        out.calibration = np.mean([chain_calibration(t, path_rows(t, target_rows)) for t in chains], axis=0)
         out.laws["chain"] = np.mean(laws, axis=0)
         out.draw_means["chain"] = [expected_tokens(law) for law in laws]
         if keep_trees:
             out.trees = {**{f"tree {b}": trees for b, trees in sampled.items()}, "chain": chains}
     return out
+
+
+def chain_calibration(chain: TokenTree, target: torch.Tensor) -> np.ndarray:
+    """[depth, 3] for one drawn chain (rule without_replacement, one child per node) and its target rows
+    ``target`` [depth + 1, V] (row j after node j): per depth, P(the walk reaches the node), P(it is
+    accepted) and P(reach) x the node's draft-as-proxy prediction (Σ q², as TreeProposer records it)."""
+    out = np.zeros((chain.num_nodes - 1, 3))
+    reach = 1.0
+    for node in range(1, chain.num_nodes):
+        q = chain.node_probs[node].double()
+        q = q / q.sum()
+        p = target[node - 1].double()
+        p = p / p.sum()
+        token = chain.tokens[node]
+        accept = min(1.0, float(p[token]) / float(q[token])) if float(q[token]) > 0 else 0.0
+        out[node - 1] = (reach, reach * accept, reach * predicted_first_acceptance(q, chain.rule, token))
+        reach *= accept
+    return out
+
+
+def _predict_dynamic(setting: Setting, root_q: torch.Tensor, expand, draft_rows: RowCache, target_rows: RowCache,
+                     generator: torch.Generator, out: PositionResult) -> None:
+    """Laws of "dynamic N" (build_dynamic_tree of N nodes, as TreeProposer grows it with
+    setting.dynamic's calibration; drawn children at T > 0, top-k at T = 0) and "chain N" (N drafts:
+    drawn at T > 0, the argmax at T = 0) for each budget N."""
+    alpha, confidence = setting.dynamic
+    greedy = setting.greedy
+    for budget in setting.budgets:
+        size = budget + 2
+        if greedy:
+            tree = build_dynamic_tree(root_q, expand, budget, budget, children="topk", alpha=alpha, confidence=confidence)
+            target_rows([tuple(tree.path(n)) for n in range(tree.num_nodes)])
+            out.laws[f"dynamic {budget}"] = _pad(tree_pass_law(path_rows(tree, target_rows), None, tree.parents,
+                                                               tree.tokens, "one_hot", greedy=True), size)
+            chain, node_q = [], root_q
+            for _ in range(budget):
+                chain.append(int(node_q.argmax()))
+                node_q = draft_rows([tuple(chain)])[0]
+            parents, tokens = _chain_tree(chain)
+            rows = target_rows([tuple(chain[:k]) for k in range(budget + 1)])
+            out.laws[f"chain {budget}"] = _pad(tree_pass_law(rows, None, parents, tokens, "one_hot", greedy=True), size)
+            continue
+        for key, build in ((f"dynamic {budget}", lambda: build_dynamic_tree(
+                root_q, expand, budget, budget, children="sampled", alpha=alpha, confidence=confidence,
+                generator=generator)), (f"chain {budget}", lambda: build_sampled_tree(
+                root_q, expand, budget, budget, 1, generator))):
+            trees = [build() for _ in range(setting.draws)]
+            target_rows([tuple(t.path(n)) for t in trees for n in range(t.num_nodes)])
+            laws = [_pad(tree_pass_law(path_rows(t, target_rows), draft_probs_from_tree(t), t.parents, t.tokens,
+                                       t.rule), size) for t in trees]
+            out.laws[key] = np.mean(laws, axis=0)
+            out.draw_means[key] = [expected_tokens(law) for law in laws]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,6 +465,7 @@ class PromptRun:
     draw_means: dict[str, list[list[float]]]
     target_forward_nodes: int = 0
     draft_forward_nodes: int = 0
+    calibration: np.ndarray | None = None  # Σ over positions of PositionResult.calibration
 
 
 def run_prompt(target: PrefixModel, draft: PrefixModel, prompt_ids: list[int], setting: Setting, max_tokens: int,
@@ -450,7 +513,20 @@ def run_prompt(target: PrefixModel, draft: PrefixModel, prompt_ids: list[int], s
             run.laws.setdefault(key, []).append(law)
         for key, means in result.draw_means.items():
             run.draw_means.setdefault(key, []).append(means)
+        if result.calibration is not None:
+            run.calibration = result.calibration if run.calibration is None else run.calibration + result.calibration
     return run
+
+
+def measured_calibration(runs: Sequence[PromptRun]) -> tuple[list[float], list[float]] | None:
+    """(alpha, confidence) by depth of the runs' drawn chains (T > 0): P(accept | reached) and the
+    mean draft-as-proxy prediction of the nodes reached, the calibration TreeProposer measures."""
+    totals = [r.calibration for r in runs if r.calibration is not None]
+    if not totals:
+        return None
+    total = np.sum(totals, axis=0)
+    reach = np.maximum(total[:, 0], 1e-300)
+    return (total[:, 1] / reach).tolist(), (total[:, 2] / reach).tolist()
 
 
 def summarise(runs: Sequence[PromptRun], max_tokens: int) -> dict[str, dict]:
@@ -576,6 +652,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--measured", action="append", default=[], help="a tree_verification-*.json (repeatable)")
+    parser.add_argument("--alpha", help="comma-separated acceptance of a first child by depth: also predict the "
+                        "dynamic tree of each budget calibrated so ('dynamic N') and the chain of N ('chain N'); "
+                        "a run at T > 0 prints the chains' own (alpha, confidence) to pass here")
+    parser.add_argument("--confidence", help="comma-separated mean draft-as-proxy prediction by depth (with --alpha)")
+    parser.add_argument("--branch-cost", type=float, default=None,
+                        help="with --alpha: also print TreeProposer's decision (expect_chain) at this branch_cost")
     parser.add_argument("--json", help="write predictions (and the measured comparison) here")
     args = parser.parse_args(argv)
     require_demo_models(args.target, args.draft)
@@ -592,15 +674,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = [tokenizer(p)["input_ids"] for p in heldout_prompts(args.prompts)]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     budgets = tuple(int(b) for b in args.budgets.split(","))
+    dynamic = None
+    if args.alpha:
+        if not args.confidence:
+            parser.error("--alpha needs --confidence (the same length)")
+        dynamic = ([float(x) for x in args.alpha.split(",")], [float(x) for x in args.confidence.split(",")])
     predictions: dict[float, dict] = {}
     first: dict[float, dict] = {}
+    calibrations: dict[float, tuple] = {}
     cost = {}
     with tqdm(total=len(temperatures) * len(prompts) * (args.max_tokens - 1), desc="positions", file=sys.stderr) as bar:
         for temperature in temperatures:
-            setting = Setting(temperature, args.top_k, args.top_p, budgets, args.depth, args.branching, args.draws)
+            setting = Setting(temperature, args.top_k, args.top_p, budgets, args.depth, args.branching, args.draws,
+                              dynamic)
             runs = [run_prompt(target, draft, ids, setting, args.max_tokens, args.seed + 1000 * i, bar)
                     for i, ids in enumerate(prompts)]
             predictions[temperature] = summarise(runs, args.max_tokens)
+            calibrations[temperature] = measured_calibration(runs)
             first[temperature] = summarise(runs[:1], args.max_tokens)
             cost[temperature] = {"target_nodes": sum(r.target_forward_nodes for r in runs),
                                  "draft_nodes": sum(r.draft_forward_nodes for r in runs)}
@@ -612,13 +702,32 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.draws} draws per position at T > 0; "
           f"wall {wall:.0f} s")
     print(text)
+    for temperature, found in calibrations.items():
+        if found is not None:
+            print(f"\nT = {temperature:g}: the drawn chains' (depth {args.depth}) calibration, for --alpha / --confidence:\n"
+                  f"  --alpha {','.join(f'{a:.4f}' for a in found[0])} --confidence {','.join(f'{c:.4f}' for c in found[1])}")
+    if dynamic is not None:
+        from vllm_specplugin.proposers.tree import expect_chain
+
+        for temperature in temperatures:
+            for budget in budgets:
+                e_chain, e_tree = expected_chain_and_tree(*dynamic, budget, budget, drawn=temperature > 0)
+                summary = predictions[temperature]
+                exact = summary[f"dynamic {budget}"]["per_position"] / summary[f"chain {budget}"]["per_position"]
+                line = (f"T = {temperature:g}, {budget} nodes: the static model's tree / chain tokens per step "
+                        f"{(1 + e_tree) / (1 + e_chain):.3f}, the exact laws' (per position) {exact:.3f}")
+                if args.branch_cost is not None:
+                    chain = expect_chain(*dynamic, budget, budget, temperature > 0, args.branch_cost)
+                    line += f"; at branch_cost {args.branch_cost:g} TreeProposer drafts {'the chain' if chain else 'the tree'}"
+                print(line)
     print("\nrel. diff = predicted per pass / measured - 1 (b1: prompt 0 alone, the benchmark's batch-1 workload; "
           "b16: every prompt predicted); ± = predicted per-pass s.d. / sqrt(passes), the sampling "
           "error a measurement of that many passes has (T > 0; at T = 0 the passes are deterministic). draft_only_best = 1 + tree_expected_best (the draft's own "
           "probabilities, what the plugin counts today).")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "wall_s": wall, "forward_nodes": cost, "rows": rows}, f, indent=1,
+            json.dump({"args": vars(args), "wall_s": wall, "forward_nodes": cost, "rows": rows,
+                       "calibration": {str(t): c for t, c in calibrations.items()}}, f, indent=1,
                       default=float)
     return 0
 

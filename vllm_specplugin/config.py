@@ -126,7 +126,10 @@ class SpecPluginConfig:
     # a deep chain, an uncertain one a wide tree), calibrated by alpha (the population's
     # acceptance of a first child by depth, list; null: each request's own, measured), confidence
     # (the draft's mean predicted acceptance over the same steps, list) and calibration_weight (4:
-    # pseudo-observations of alpha against a request's own measurements). merge (verify "tree"
+    # pseudo-observations of alpha against a request's own measurements); with verify "tree", a
+    # step verifies a branched tree only where the calibrated model expects it to emit more than
+    # (1 + branch_cost) times the tokens of the chain of as many drafts, else the chain (branch_cost,
+    # 0.2: a branched step's extra cost over the chain step, measured at batch 1). merge (verify "tree"
     # only): zero-cost drafters, a list of "suffix" and "ngram", whose chains are merged with the
     # model's tree into one tree per request (proposers/merged_proposer.py; verified by SpecInfer's
     # multi-step rule across drafters), each taking at most ceil(zero_cost_share (0.5) x gamma) tokens
@@ -442,9 +445,9 @@ def _tree(value: Any) -> dict:
         if key in ("alpha", "confidence"):
             out[key] = _probability_list(item, f"tree_drafting.{key}")
             continue
-        if key == "calibration_weight":
+        if key in ("calibration_weight", "branch_cost"):
             if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item) or item < 0:
-                raise SpecPluginConfigError("tree_drafting.calibration_weight", f"expected a number >= 0, got {item!r}")
+                raise SpecPluginConfigError(f"tree_drafting.{key}", f"expected a number >= 0, got {item!r}")
             out[key] = float(item)
             continue
         if key == "merge":
@@ -464,11 +467,11 @@ def _tree(value: Any) -> dict:
             raise SpecPluginConfigError(
                 f"tree_drafting.{key}",
                 "unknown key; known keys are node_budget, branching, max_depth, verify, shape, alpha, confidence, "
-                "calibration_weight, merge, zero_cost_share, skip_model",
+                "calibration_weight, branch_cost, merge, zero_cost_share, skip_model",
             )
         out[key] = _positive_int(value, key, f"tree_drafting.{key}")
     if out.get("shape", "fixed") != "dynamic":
-        for key in ("alpha", "confidence", "calibration_weight"):
+        for key in ("alpha", "confidence", "calibration_weight", "branch_cost"):
             if key in out:
                 raise SpecPluginConfigError(f"tree_drafting.{key}", 'applies only to shape "dynamic"')
     merge_keys = [key for key in ("merge", "zero_cost_share", "skip_model") if key in out]
