@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_specplugin.throughput.bench import WorkloadResult
+from vllm_specplugin.throughput import interleaved
 from vllm_specplugin.throughput.interleaved import PRESETS, main, paired_ratios, rotation, summed, workload_prompts
 
 
@@ -98,3 +99,14 @@ def test_report_compares_a_pair_with_its_own_reference():
             if line.startswith("| ") and not line.startswith("| configuration")}
     assert "1.100x (1.10-1.10) x chain 16" in rows["tree 16"]  # 88 / 80, not 88 / 100
     assert "0.800x (0.80-0.80) |" in rows["chain 16"]  # against the default reference
+
+
+def test_a_server_that_would_exhaust_memory_is_refused_before_it_starts(monkeypatch):
+    """Every server of a preset stays resident: one more where less than a server's memory is
+    available is refused with what to do (the kernel would otherwise kill a running one)."""
+    assert interleaved.available_memory_gib() > 0  # /proc/meminfo read (Linux)
+    monkeypatch.setattr(interleaved, "available_memory_gib", lambda: interleaved.SERVER_MEMORY_GIB + 1)
+    interleaved.check_memory_for_another_server(3, 9)
+    monkeypatch.setattr(interleaved, "available_memory_gib", lambda: interleaved.SERVER_MEMORY_GIB - 0.5)
+    with pytest.raises(SystemExit, match="after 8 of 9 servers.*--only"):
+        interleaved.check_memory_for_another_server(8, 9)

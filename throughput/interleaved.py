@@ -147,6 +147,32 @@ def pause(server, paused: bool) -> None:
     os.killpg(os.getpgid(server.process.pid), signal.SIGSTOP if paused else signal.SIGCONT)
 
 
+# Each CPU server stays resident while the others run (about 1.9 GiB for its worker and 0.6 GiB for
+# its API server on the demo targets, 7 Dec): a ninth server on a 24 GiB machine left 0.4 GiB.
+SERVER_MEMORY_GIB = 2.6
+
+
+def available_memory_gib() -> float | None:
+    """MemAvailable of /proc/meminfo in GiB; None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        return None
+    return None
+
+
+def check_memory_for_another_server(started: int, total: int) -> None:
+    """Refuse, before it starts, a server that would leave the machine without memory (the kernel
+    would kill a running one mid-round), saying how to serve fewer at once."""
+    available = available_memory_gib()
+    if available is not None and available < SERVER_MEMORY_GIB:
+        raise SystemExit(f"{available:.1f} GiB of memory available after {started} of {total} servers, a server needs "
+                         f"about {SERVER_MEMORY_GIB} GiB: serve fewer at once with --only (e.g. one pair per run)")
+
+
 def rotation(count: int, round_index: int) -> list[int]:
     """The order in which round ``round_index`` visits ``count`` servers: rotated by one each round,
     so that no configuration always runs first (after the client's idle pause) or last."""
@@ -268,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.strftime("%Y%m%d-%H%M%S")
     try:
         for config in tqdm(configs, desc="starting servers", unit="server"):
+            check_memory_for_another_server(len(servers), len(configs))
             server = config.server(preset.target)
             server.__enter__()
             servers.append(server)
