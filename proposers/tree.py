@@ -770,12 +770,14 @@ def dynamic_tree_steps(
     return TokenTree(tokens, parents, depths, torch.stack(rows), rule=rule)
 
 
-# The extra cost of a step that verifies a branched tree over one that verifies a chain of as many
-# nodes, as a fraction of the chain step (TreeProposer's branch_cost default). Measured on the
-# memory-bound target at batch 1, T = 1 (interleaved --preset tree, 7 Dec: the tiny draft's trees,
-# 570 of 766 steps branched, cost 29.0 ms a step against its chain's 24.0 ms; the tree step's verify
-# path and its wider draft waves): 0.2. At batch 16 the tree step cost 1.37x the chain's (issue 31).
-DEFAULT_BRANCH_COST = 0.2
+# The extra cost of a step that verifies a branched tree over one that verifies the chain of as many
+# nodes, per tree node, as a fraction of the chain step (TreeProposer's branch_cost default): the
+# tree rows' attention is recomputed per node, so the extra grows with the tree. Measured on the
+# memory-bound target at batch 1, T = 1, the tiny draft: a tree of 8 cost 1.20x its chain's step
+# (20.84 against 17.42 ms in-process, 7 Dec), a tree of 16 about 1.35x (interleaved --preset tree,
+# 7 Dec: 216 of 728 steps branched, 42 against 38 ms a step on average): 0.025 a node (0.2 at 8,
+# 0.4 at 16). At batch 16 a tree of 8 cost 1.37x the chain's step (issue 31).
+DEFAULT_BRANCH_COST = 0.025
 
 
 def _sibling_shares(confidence: float, drawn: bool, count: int) -> list[float]:
@@ -841,13 +843,14 @@ def expect_chain(alpha: Sequence[float], confidence: Sequence[float | None] | No
     """Whether a dynamic tree step should verify the chain of ``depth`` drafts rather than a branched
     tree of ``budget`` nodes: true unless the tree's expected tokens per step (accepted + the
     target's own, :func:`expected_chain_and_tree`) beat the chain's by more than the branched step's
-    extra cost, (1 + E_tree) > (1 + branch_cost)(1 + E_chain). False (the builder decides) when a
-    depth's confidence is not given. A chain is a tree: choosing it where branching does not pay
-    its step is how a dynamic tree never loses to the chain of as many drafts."""
+    extra cost, ``branch_cost`` per node: (1 + E_tree) > (1 + branch_cost x budget)(1 + E_chain).
+    False (the builder decides) when a depth's confidence is not given. A chain is a tree: choosing
+    it where branching does not pay its step is how a dynamic tree never loses to the chain of as
+    many drafts."""
     if confidence is None or any(_at_depth(confidence, d) is None for d in range(1, depth + 1)):
         return False
     e_chain, e_tree = expected_chain_and_tree(alpha, confidence, depth, budget, drawn)
-    return 1.0 + e_tree <= (1.0 + branch_cost) * (1.0 + e_chain) + 1e-12
+    return 1.0 + e_tree <= (1.0 + branch_cost * budget) * (1.0 + e_chain) + 1e-12
 
 
 @dataclass
@@ -1079,8 +1082,8 @@ class TreeProposer(Proposer):
       request's own outcomes calibrate it (see :func:`tree_acceptance`). A request's calibration
       depends only on its own history, so a seeded request stays reproducible. A submitted
       tree's step is drafted as the chain unless the calibration expects the best tree to emit
-      more than (1 + ``branch_cost``) times the chain's tokens per step (:func:`expect_chain`):
-      a branched step costs more than a chain step of as many nodes. A chain drawn
+      more than (1 + ``branch_cost`` x nodes) times the chain's tokens per step
+      (:func:`expect_chain`): a branched step costs more than a chain step of as many nodes. A chain drawn
       this way is handed to vLLM with the rows its tokens were drawn from (standard speculative
       sampling), any other tree with one-hot rows.
     """

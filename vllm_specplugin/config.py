@@ -128,8 +128,9 @@ class SpecPluginConfig:
     # (the draft's mean predicted acceptance over the same steps, list) and calibration_weight (4:
     # pseudo-observations of alpha against a request's own measurements); with verify "tree", a
     # step verifies a branched tree only where the calibrated model expects it to emit more than
-    # (1 + branch_cost) times the tokens of the chain of as many drafts, else the chain (branch_cost,
-    # 0.2: a branched step's extra cost over the chain step, measured at batch 1). merge (verify "tree"
+    # (1 + branch_cost x nodes) times the tokens of the chain of as many drafts, else the chain
+    # (branch_cost, 0.025: a branched step's extra cost over the chain step per tree node, as a fraction
+    # of the chain step, measured at batch 1). merge (verify "tree"
     # only): zero-cost drafters, a list of "suffix" and "ngram", whose chains are merged with the
     # model's tree into one tree per request (proposers/merged_proposer.py; verified by SpecInfer's
     # multi-step rule across drafters), each taking at most ceil(zero_cost_share (0.5) x gamma) tokens
