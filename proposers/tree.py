@@ -828,7 +828,7 @@ def expected_chain_and_tree(alpha: Sequence[float], confidence: Sequence[float],
             break
         e_tree += value
         added += 1
-        first, siblings = levels[parent_depth]
+        siblings = levels[parent_depth][1]
         if rank < len(siblings):  # the parent's next child
             heapq.heappush(heap, (-parent_reach * siblings[rank], tie, parent_depth, rank + 1, parent_reach))
             tie += 1
