@@ -86,6 +86,23 @@ def _eagle(name: str, k: int, options: dict | None) -> ServedConfig:
                         {"specplugin": {"eagle_head": EAGLE_LONG, **options}})
 
 
+def _tree_preset(workload: str, label: str) -> Preset:
+    """Issue 31's tree cells at one temperature: each dynamic tree against the chain of as many drafts."""
+    return Preset(
+        os.path.join(MB, "target"), workload,
+        (ServedConfig("plain"),
+         *[config for n in (8, 16) for config in (plugin_config(f"chain {n}", [MB_DRAFT], n), dynamic_tree_config(f"tree {n}", [MB_DRAFT], n))],
+         *[config for n in (8, 16) for config in (plugin_config(f"chain {n}, tiny draft", [TINY_DRAFT], n),
+                                                  dynamic_tree_config(f"tree {n}, tiny draft", [TINY_DRAFT], n))]),
+        "chain 8",
+        "issue 31's tree goals: dynamic trees of 8 and 16 nodes verified whole against chains of as many drafts "
+        "(the memory-bound pair; and the tiny draft demo/draft-distill, where drafts are uncertain), held-out "
+        f"code prompts at {label}, batch 1 (at most 7 servers fit 24 GiB: run it in halves with --only)",
+        pairs=(("tree 16", "chain 16"), ("tree 8, tiny draft", "chain 8, tiny draft"),
+               ("tree 16, tiny draft", "chain 16, tiny draft")),
+    )
+
+
 PRESETS = {
     "routing": Preset(
         os.path.join(MIX, "target"), "mixed-T1",
@@ -121,19 +138,8 @@ PRESETS = {
         "by vLLM's eagle (k = 8) and by the plugin (a sampled chain of 8, a dynamic tree of 8 verified whole, "
         "bfloat16), held-out code prompts at T = 0, batch 1",
     ),
-    "tree": Preset(
-        os.path.join(MB, "target"), "heldout-T1",
-        (ServedConfig("plain"),
-         *[config for n in (8, 16) for config in (plugin_config(f"chain {n}", [MB_DRAFT], n), dynamic_tree_config(f"tree {n}", [MB_DRAFT], n))],
-         *[config for n in (8, 16) for config in (plugin_config(f"chain {n}, tiny draft", [TINY_DRAFT], n),
-                                                  dynamic_tree_config(f"tree {n}, tiny draft", [TINY_DRAFT], n))]),
-        "chain 8",
-        "issue 31's tree goals: dynamic trees of 8 and 16 nodes verified whole against chains of as many drafts "
-        "(the memory-bound pair; and the tiny draft demo/draft-distill, where drafts are uncertain), held-out "
-        "code prompts at T = 1, batch 1",
-        pairs=(("tree 16", "chain 16"), ("tree 8, tiny draft", "chain 8, tiny draft"),
-               ("tree 16, tiny draft", "chain 16, tiny draft")),
-    ),
+    "tree": _tree_preset("heldout-T1", "T = 1"),
+    "tree-T0": _tree_preset("heldout-T0", "T = 0"),
 }
 
 
