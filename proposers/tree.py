@@ -814,10 +814,7 @@ def expected_chain_and_tree(alpha: Sequence[float], confidence: Sequence[float],
         agree, miss = acceptance_parameters(measured, min(1.0, mean))
         spread = (1.0 - agree) * (1.0 - miss)
         levels.append((measured, [spread * share for share in _sibling_shares(min(1.0, mean), drawn, budget)]))
-    e_chain, reach = 0.0, 1.0
-    for measured, _ in levels:
-        reach *= measured
-        e_chain += reach
+    e_chain = chain_expected_accepted_length(alpha, depth)
     # Best first: (-value, tie, node depth of the parent, child rank, parent's reach).
     heap = [(-levels[0][0], 0, 0, 0, 1.0)]
     e_tree, added, tie = 0.0, 0, 1

@@ -338,10 +338,7 @@ def predict_position(setting: Setting, draft_rows: RowCache, target_rows: RowCac
     sampled: dict[int, list[TokenTree]] = {}
     chains: list[TokenTree] = []
     if setting.greedy:
-        greedy_chain, node_q = [], root_q
-        for _ in range(depth):
-            greedy_chain.append(int(node_q.argmax()))
-            node_q = draft_rows([tuple(greedy_chain)])[0]
+        greedy_chain = _greedy_chain(root_q, draft_rows, depth)
     else:
         for b in setting.budgets:
             sampled[b] = [build_sampled_tree(root_q, expand, b, depth, setting.branching, generator)
@@ -370,23 +367,41 @@ def predict_position(setting: Setting, draft_rows: RowCache, target_rows: RowCac
             out.laws[f"tree {b}"] = _pad(tree_pass_law(path_rows(tree, target_rows), None, tree.parents, tree.tokens,
                                                        "one_hot", greedy=True), size)
     if greedy:
-        parents, tokens = _chain_tree(greedy_chain)
-        rows = target_rows([tuple(greedy_chain[:k]) for k in range(depth + 1)])
-        out.laws["chain"] = _pad(tree_pass_law(rows, None, parents, tokens, "one_hot", greedy=True), size)
+        out.laws["chain"] = _greedy_chain_law(greedy_chain, target_rows, size)
     else:
         for b, trees in sampled.items():
-            laws = [_pad(tree_pass_law(path_rows(t, target_rows), draft_probs_from_tree(t), t.parents, t.tokens, t.rule),
-                         size) for t in trees]
-            out.laws[f"tree {b}"] = np.mean(laws, axis=0)
-            out.draw_means[f"tree {b}"] = [expected_tokens(law) for law in laws]
-        laws = [_pad(tree_pass_law(path_rows(t, target_rows), draft_probs_from_tree(t), t.parents, t.tokens, t.rule),
-                     size) for t in chains]
+            _add_drawn_laws(out, f"tree {b}", trees, target_rows, size)
+        _add_drawn_laws(out, "chain", chains, target_rows, size)
         out.calibration = np.mean([chain_calibration(t, path_rows(t, target_rows)) for t in chains], axis=0)
-        out.laws["chain"] = np.mean(laws, axis=0)
-        out.draw_means["chain"] = [expected_tokens(law) for law in laws]
         if keep_trees:
             out.trees = {**{f"tree {b}": trees for b, trees in sampled.items()}, "chain": chains}
     return out
+
+
+def _greedy_chain(root_q: torch.Tensor, draft_rows: RowCache, length: int) -> list[int]:
+    """The draft's argmax chain of ``length`` tokens from ``root_q``."""
+    chain, node_q = [], root_q
+    for _ in range(length):
+        chain.append(int(node_q.argmax()))
+        node_q = draft_rows([tuple(chain)])[0]
+    return chain
+
+
+def _greedy_chain_law(chain: Sequence[int], target_rows: RowCache, size: int) -> np.ndarray:
+    """The law of ``chain`` walked greedily (one-hot rule on the target's argmax), padded to ``size``."""
+    parents, tokens = _chain_tree(chain)
+    rows = target_rows([tuple(chain[:k]) for k in range(len(chain) + 1)])
+    return _pad(tree_pass_law(rows, None, parents, tokens, "one_hot", greedy=True), size)
+
+
+def _add_drawn_laws(out: PositionResult, key: str, trees: Sequence[TokenTree], target_rows: RowCache,
+                    size: int) -> None:
+    """``out.laws[key]``: the mean law of the drawn ``trees``, each walked by its own rule with the rows
+    its children were drawn from; ``out.draw_means[key]``: each tree's expected tokens."""
+    laws = [_pad(tree_pass_law(path_rows(t, target_rows), draft_probs_from_tree(t), t.parents, t.tokens, t.rule),
+                 size) for t in trees]
+    out.laws[key] = np.mean(laws, axis=0)
+    out.draw_means[key] = [expected_tokens(law) for law in laws]
 
 
 def chain_calibration(chain: TokenTree, target: torch.Tensor) -> np.ndarray:
@@ -401,7 +416,7 @@ def chain_calibration(chain: TokenTree, target: torch.Tensor) -> np.ndarray:
         p = target[node - 1].double()
         p = p / p.sum()
         token = chain.tokens[node]
-        accept = min(1.0, float(p[token]) / float(q[token])) if float(q[token]) > 0 else 0.0
+        accept = acceptance_probability(AcceptanceRule(chain.rule), p, q, token)
         out[node - 1] = (reach, reach * accept, reach * predicted_first_acceptance(q, chain.rule, token))
         reach *= accept
     return out
@@ -421,13 +436,8 @@ def _predict_dynamic(setting: Setting, root_q: torch.Tensor, expand, draft_rows:
             target_rows([tuple(tree.path(n)) for n in range(tree.num_nodes)])
             out.laws[f"dynamic {budget}"] = _pad(tree_pass_law(path_rows(tree, target_rows), None, tree.parents,
                                                                tree.tokens, "one_hot", greedy=True), size)
-            chain, node_q = [], root_q
-            for _ in range(budget):
-                chain.append(int(node_q.argmax()))
-                node_q = draft_rows([tuple(chain)])[0]
-            parents, tokens = _chain_tree(chain)
-            rows = target_rows([tuple(chain[:k]) for k in range(budget + 1)])
-            out.laws[f"chain {budget}"] = _pad(tree_pass_law(rows, None, parents, tokens, "one_hot", greedy=True), size)
+            out.laws[f"chain {budget}"] = _greedy_chain_law(_greedy_chain(root_q, draft_rows, budget), target_rows,
+                                                            size)
             continue
         for key, build in ((f"dynamic {budget}", lambda: build_dynamic_tree(
                 root_q, expand, budget, budget, children="sampled", alpha=alpha, confidence=confidence,
@@ -435,10 +445,7 @@ def _predict_dynamic(setting: Setting, root_q: torch.Tensor, expand, draft_rows:
                 root_q, expand, budget, budget, 1, generator))):
             trees = [build() for _ in range(setting.draws)]
             target_rows([tuple(t.path(n)) for t in trees for n in range(t.num_nodes)])
-            laws = [_pad(tree_pass_law(path_rows(t, target_rows), draft_probs_from_tree(t), t.parents, t.tokens,
-                                       t.rule), size) for t in trees]
-            out.laws[key] = np.mean(laws, axis=0)
-            out.draw_means[key] = [expected_tokens(law) for law in laws]
+            _add_drawn_laws(out, key, trees, target_rows, size)
 
 
 # ---------------------------------------------------------------------------------------------
