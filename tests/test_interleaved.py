@@ -62,6 +62,9 @@ def test_cli_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["--rounds", "0"])
     with pytest.raises(SystemExit):
+        main(["--concurrency", "0"])
+    assert "--concurrency must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         main(["--reference", "no such configuration"])
     assert "no such configuration" in capsys.readouterr().err
 
@@ -110,3 +113,18 @@ def test_a_server_that_would_exhaust_memory_is_refused_before_it_starts(monkeypa
     monkeypatch.setattr(interleaved, "available_memory_gib", lambda: interleaved.SERVER_MEMORY_GIB - 0.5)
     with pytest.raises(SystemExit, match="after 8 of 9 servers.*--only"):
         interleaved.check_memory_for_another_server(8, 9)
+
+
+def test_a_server_seed_is_added_once_to_each_servers_arguments():
+    config = interleaved.ServedConfig("x", server_args=("--no-async-scheduling", "--seed", "3"))
+    seeded = interleaved.with_server_seed(config, 7)
+    assert seeded.server_args == ("--no-async-scheduling", "--seed", "7")
+    assert interleaved.with_server_seed(interleaved.ServedConfig("plain"), 0).server_args == ("--seed", "0")
+
+
+def test_only_selects_an_exact_name_alone_and_substrings_widely():
+    preset = PRESETS["tree"]
+    exact = [c.name for c in interleaved.selected(preset, "tree 16", "chain 8")]
+    assert exact == ["plain", "chain 8", "chain 16", "tree 16"]  # its pair's chain, not the tiny draft's tree
+    wide = [c.name for c in interleaved.selected(preset, "tiny", "chain 8")]
+    assert wide == ["plain", "chain 8"] + [c.name for c in preset.configs if "tiny" in c.name]

@@ -97,7 +97,8 @@ def _tree_preset(workload: str, label: str) -> Preset:
         "chain 8",
         "issue 31's tree goals: dynamic trees of 8 and 16 nodes verified whole against chains of as many drafts "
         "(the memory-bound pair; and the tiny draft demo/draft-distill, where drafts are uncertain), held-out "
-        f"code prompts at {label}, batch 1 (at most 7 servers fit 24 GiB: run it in halves with --only)",
+        f"code prompts at {label}, batch 1 (--concurrency 16: the batch-16 cells; at most 7 servers fit 24 GiB: "
+        "run it in halves with --only)",
         pairs=(("tree 16", "chain 16"), ("tree 8, tiny draft", "chain 8, tiny draft"),
                ("tree 16, tiny draft", "chain 16, tiny draft")),
     )
@@ -177,6 +178,26 @@ def check_memory_for_another_server(started: int, total: int) -> None:
     if available is not None and available < SERVER_MEMORY_GIB:
         raise SystemExit(f"{available:.1f} GiB of memory available after {started} of {total} servers, a server needs "
                          f"about {SERVER_MEMORY_GIB} GiB: serve fewer at once with --only (e.g. one pair per run)")
+
+
+def selected(preset: Preset, only: str, reference: str) -> list[ServedConfig]:
+    """The configurations of ``preset`` that ``only`` (comma-separated) names: a configuration's
+    exact name selects it alone ("tree 16", not also "tree 16, tiny draft"); anything else selects
+    every name containing it. Plain, ``reference`` and each kept one's own reference always stay."""
+    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    names = {c.name for c in preset.configs}
+    kept = {c.name for i, c in enumerate(preset.configs) if i == 0 or c.name == reference
+            or any(w == c.name if w in names else w in c.name for w in wanted)}
+    kept |= {preset.reference_of(name, reference) for name in kept}
+    return [c for c in preset.configs if c.name in kept]
+
+
+def with_server_seed(config: ServedConfig, seed: int) -> ServedConfig:
+    """``config`` served with vLLM's ``--seed seed`` (any ``--seed`` it had replaced)."""
+    args = list(config.server_args)
+    if "--seed" in args:
+        del args[args.index("--seed"):args.index("--seed") + 2]
+    return dataclasses.replace(config, server_args=(*args, "--seed", str(seed)))
 
 
 def rotation(count: int, round_index: int) -> list[int]:
@@ -265,26 +286,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="routing")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per configuration (default 5)")
     parser.add_argument("--requests", type=int, default=16,
-                        help="requests per round, sent one at a time (default 16; the mixed workload: four of each "
+                        help="requests per round (default 16; the mixed workload: four of each "
                         "category; held-out prompts: at most 48)")
     parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="requests in flight at once (default 1: one at a time; 16: a pool of 16 clients)")
+    parser.add_argument("--server-seed", type=int,
+                        help="vLLM's --seed for every server (default vLLM's own): the random stream an unseeded "
+                        "request's sampling draws from, the same for every server at start")
     parser.add_argument("--reference", help="the configuration every other is also compared with (default: the preset's)")
-    parser.add_argument("--only", help="comma-separated substrings: serve only the configurations whose name "
-                        "contains one (plain, the reference and each one's own reference always)")
+    parser.add_argument("--only", help="comma-separated names or substrings: serve only the configurations named "
+                        "exactly, or whose name contains one that names none exactly (plain, the reference and each "
+                        "one's own reference always)")
     parser.add_argument("--out", default=os.path.join("runs", "bench"), help="directory for the .md and .json")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1:
-        parser.error("--rounds, --requests and --max-tokens must be >= 1")
+    if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1 or args.concurrency < 1:
+        parser.error("--rounds, --requests, --max-tokens and --concurrency must be >= 1")
     preset = PRESETS[args.preset]
     reference = args.reference or preset.reference
     configs = list(preset.configs)
     if reference not in [c.name for c in configs]:
         parser.error(f"--reference {reference!r} is not a configuration of {args.preset}: {[c.name for c in configs]}")
     if args.only:
-        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        kept = {c.name for i, c in enumerate(configs) if i == 0 or c.name == reference or any(w in c.name for w in wanted)}
-        kept |= {preset.reference_of(name, reference) for name in kept}  # each kept one's own reference too
-        configs = [c for c in configs if c.name in kept]
+        configs = selected(preset, args.only, reference)
+    if args.server_seed is not None:
+        configs = [with_server_seed(c, args.server_seed) for c in configs]
     if not os.path.isdir(preset.target):
         parser.error(f"{preset.target} is not built (make models)")
 
@@ -312,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 for k in rotation(len(configs), index):
                     pause(servers[k], False)
                     time.sleep(RESUME_SETTLE_S)
-                    run = WorkloadRun(servers[k], configs[k], [(texts, 1)], temperature=temperatures,
+                    run = WorkloadRun(servers[k], configs[k], [(texts, args.concurrency)], temperature=temperatures,
                                       max_tokens=args.max_tokens, workload=preset.workload)
                     run.begin()
                     run.generate()
@@ -331,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     paired = paired_ratios(rounds, references)
     totals = {name: summed(rs) for name, rs in results.items() if rs}
     header = (f"{preset.about}. Target {os.path.relpath(preset.target)}; {args.requests} requests of workload "
-              f"{preset.workload} x {args.max_tokens} tokens per round, one at a time, "
+              f"{preset.workload} x {args.max_tokens} tokens per round, "
+              f"{'one at a time' if args.concurrency == 1 else f'{args.concurrency} at a time'}, "
+              f"{'' if args.server_seed is None else f'servers started with --seed {args.server_seed}, '}"
               f"{args.rounds} rounds, servers side by side, order rotated each round; started {started}. "
               f"Ratios are paired within a round; τ, α, c, r over every round.")
     report = format_report(args.preset, dataclasses.replace(preset, configs=tuple(configs)), paired, totals, reference,
