@@ -86,6 +86,26 @@ def _eagle(name: str, k: int, options: dict | None) -> ServedConfig:
                         {"specplugin": {"eagle_head": EAGLE_LONG, **options}})
 
 
+def _load_preset(workload: str) -> Preset:
+    """Issue 31's load goal (≥ 0.97x plain at concurrency 48) on the mixed workload: the drafter
+    choice (suffix or draft-prose at γ 4, k 6), its floor (the same server priced out of drafting:
+    the speculative path alone) and plain decoding both with vLLM's default async scheduling and
+    without it, as vLLM 0.32 serves every custom_class proposer."""
+    return Preset(
+        os.path.join(MIX, "target"), workload,
+        (ServedConfig("plain"),
+         ServedConfig("plain, async scheduling off (as vLLM serves custom_class)", server_args=("--no-async-scheduling",)),
+         plugin_config("choice that never drafts (floor), k 6", [PROSE], 6,
+                       suffix_drafting={"model_gamma": 4, "draft_cost": 9.9, "verify_cost": 9.9, "measure_costs": False}),
+         plugin_config("choice: suffix + draft-prose γ 4, k 6", [PROSE], 6, suffix_drafting={"model_gamma": 4}),
+         plugin_config("plugin draft-code γ 6, bfloat16", [CODE], 6, draft_dtype="bfloat16")),
+        "plain",
+        f"issue 31's load goal on the mixed workload ({workload}; run with --concurrency 48 --requests 96): the "
+        "drafter choice, its floor (priced out of drafting), plain with and without async scheduling, and "
+        "draft-code's bfloat16 chain",
+    )
+
+
 def _tree_preset(workload: str, label: str) -> Preset:
     """Issue 31's tree cells at one temperature: each dynamic tree against the chain of as many drafts."""
     return Preset(
@@ -139,6 +159,8 @@ PRESETS = {
         "by vLLM's eagle (k = 8) and by the plugin (a sampled chain of 8, a dynamic tree of 8 verified whole, "
         "bfloat16), held-out code prompts at T = 0, batch 1",
     ),
+    "load-T0": _load_preset("mixed-T0"),
+    "load-T1": _load_preset("mixed-T1"),
     "tree": _tree_preset("heldout-T1", "T = 1"),
     "tree-T0": _tree_preset("heldout-T0", "T = 0"),
 }
