@@ -41,7 +41,9 @@ from vllm_specplugin.proposers.tree import (
     build_sampled_tree,
     build_tree,
     chain_expected_accepted_length,
+    chain_tree,
     enumerate_draws,
+    first_child_trials,
     predicted_first_acceptance,
     tree_acceptance,
     tree_expected_accepted_length,
@@ -775,6 +777,31 @@ def test_depth_acceptance_counts_first_children():
     assert alpha == pytest.approx([0.75, 1.5 / 3, 0.4]) and confidence[2] is None
     assert DepthAcceptance().estimate() == (None, None)
     assert DepthAcceptance().estimate([0.3]) == ([0.3], None)
+
+
+@pytest.mark.parametrize("rule", ["one_hot", "without_replacement"])
+def test_first_child_trials_are_the_per_node_predictions_in_one_pass(rule):
+    """first_child_trials predicts every tried first child in one batched pass (a chain's rows as a
+    view, a tree's gathered): the same values as predicted_first_acceptance node by node, rows that
+    do not sum to 1 (float32 rounding) and a zero row included."""
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.rand(6, 50, generator=generator) ** 4 * 1.3  # unnormalised
+    rows[4] = 0.0
+    tokens = [int(t) for t in torch.randint(0, 50, (6,), generator=generator)]
+    chain = chain_tree(tokens, rows, rule)
+    trials = first_child_trials(chain, [1, 2, 3, 4, 5], submitted=[1, 2, 3, 4, 5, 6])
+    expected = [predicted_first_acceptance(rows[k], rule, tokens[k]) for k in range(6)]
+    assert [depth for depth, _, _ in trials] == [1, 2, 3, 4, 5, 6]
+    assert [taken for _, taken, _ in trials] == [True] * 5 + [False]
+    assert [p for _, _, p in trials] == pytest.approx(expected, rel=1e-12, abs=1e-15) and expected[4] == 0.0
+    # a tree: root -> 1, 2; 1 -> 3; 2 -> 4, 5 (first children 1, 3 on the path root -> 1 -> 3; 1, 4 on root -> 2)
+    tree = TokenTree([-1] + tokens[:5], [-1, 0, 0, 1, 2, 2], [0, 1, 1, 2, 2, 2],
+                     torch.cat([torch.zeros(1, 50), rows[:5]]), rule=rule)
+    trials = first_child_trials(tree, [2, 5])
+    assert [(d, taken) for d, taken, _ in trials] == [(1, False), (2, False)]
+    assert [p for _, _, p in trials] == pytest.approx(
+        [predicted_first_acceptance(rows[0], rule, tokens[0]), predicted_first_acceptance(rows[3], rule, tokens[3])],
+        rel=1e-12)
 
 
 class FakeEnsemble:
