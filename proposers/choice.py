@@ -71,8 +71,10 @@ squares, :class:`~vllm_specplugin.proposers.gamma.StepCostModel`), and the model
 per draft token d; then v = b / (a / B) and c = d / (a / B), a request's price of one draft token
 over its share of a plain step. Until a class has been measured (8 steps that admitted no request,
 8 of them with a draft count away from the average; where the count has not varied by itself
-after 8 steps, every other step of the class drafts nothing) it is priced as the nearest measured
-class below it, and with none the configured c and v stand. Where even a draft the target
+after 8 steps, every other step of the class drafts nothing) it is priced by interpolating, in
+log2 of the batch size, between the measured classes around it (below the smallest measured class:
+between the configured c and v at batch 1 and that class; above the largest: as the largest), and
+with none measured the configured c and v stand. Where even a draft the target
 always accepts cannot pay, ``(1 + γ) / (1 + (c + v)·γ) <= 1``, a request at "no draft" does not
 probe either: at concurrency 48 here nothing is drafted, as plain decoding.
 
@@ -91,6 +93,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -226,14 +229,14 @@ class BatchCosts:
     request drafting the same chain), every other step of the class drafts nothing
     (:meth:`slope_probe`). Under a burst most steps admit a request, so a large class is measured
     late (served at concurrency 48: not within two rounds of 96 requests when probes came every 4th
-    step after 16 steps); until then it is priced as the nearest measured class below it, at that
-    class's own batch size (a verified token costs more of a request's share as the batch grows,
-    so this errs towards drafting, far less than batch-1 prices do)."""
+    step after 16 steps), and the classes a burst passes through on its way up and down may never
+    be; until then a class is priced from its measured neighbours (:meth:`ratios`)."""
 
     SLOPE_PROBE_EVERY = 2  # in an unmeasured class whose draft count does not vary, every this many steps nobody drafts
 
-    def __init__(self, clock=time.perf_counter):
+    def __init__(self, clock=time.perf_counter, batch1: tuple[float, float] | None = None):
         self.clock = clock  # seconds (float); tests drive a synthetic one
+        self.batch1 = batch1  # (c, v) configured for batch 1: the low end below every measured class
         self.by_class: dict[int, StepCostModel] = {}
         self.batch_sizes: dict[int, float] = {}  # class -> the mean batch size of its measured steps
         self._last_end: float | None = None
@@ -282,15 +285,44 @@ class BatchCosts:
         """(c, v) for one request of a batch of ``batch_size``: the model's draft time per draft
         token and the target step's growth per verified draft token, each over the request's share
         of a step without drafts (a / B). c is the nearest class's where the model has not drafted
-        in this one, None where it has drafted in none. An unmeasured class borrows the nearest
-        measured class below it (at that class's mean batch size); None when there is none."""
+        in this one, None where it has drafted in none.
+
+        An unmeasured class between two measured ones is priced by interpolating theirs in
+        log2(batch size); one below every measured class, between the configured batch-1 prices
+        (``batch1``, at batch 1) and the nearest measured class above it; one above every measured
+        class, as the nearest measured class below it (at that class's mean batch size). None when
+        no class is measured. Served at concurrency 48 (mixed workload, T = 1), the batch passes
+        through classes 8-16 only as a round starts and ends, too briefly to be measured; priced
+        at batch-1 prices there, the choice drafted 15-30 requests at once with the model (their
+        draft prefills 290-440 ms a step) where class 32 said drafting cannot pay."""
         batch_class = AdaptiveGamma.batch_class(batch_size)
-        if not self.measured(batch_size):
-            below = [k for k in self.by_class if k < batch_class and self.measured(k)]
+        if self.measured(batch_size):
+            return self._class_ratios(batch_class, batch_size)
+        measured = [k for k in self.by_class if self.measured(k)]
+        below = [k for k in measured if k < batch_class]
+        above = [k for k in measured if k > batch_class]
+        if not above:
             if not below:
                 return None
-            batch_class = max(below)
-            batch_size = self.batch_sizes.get(batch_class, batch_class)
+            return self._class_ratios(max(below), self.batch_sizes.get(max(below), max(below)))
+        high = min(above)
+        high_size = self.batch_sizes.get(high, high)
+        c_high, v_high = self._class_ratios(high, high_size)
+        if below:
+            low = max(below)
+            low_size = self.batch_sizes.get(low, low)
+            c_low, v_low = self._class_ratios(low, low_size)
+        elif self.batch1 is not None:
+            low_size, (c_low, v_low) = 1, self.batch1
+        else:
+            return c_high, v_high
+        span = math.log2(high_size) - math.log2(low_size)
+        t = 1.0 if span <= 0 else min(1.0, max(0.0, (math.log2(max(batch_size, 1)) - math.log2(low_size)) / span))
+        c = c_low if c_high is None else c_high if c_low is None else c_low + t * (c_high - c_low)
+        return c, v_low + t * (v_high - v_low)
+
+    def _class_ratios(self, batch_class: int, batch_size: float) -> tuple[float | None, float]:
+        """(c, v) of a measured class for a request of a batch of ``batch_size``."""
         model = self.by_class[batch_class]
         share = model.base / max(batch_size, 1)
         v = model.slope / share
@@ -368,7 +400,8 @@ class DrafterChoice(Proposer):
         self._model_population: dict[tuple[int, bool], Acceptance] = {}  # (k, sampled) -> accepted per step
         self._prices_checked: set[int] = set()  # the γ whose prior has been checked against the prices
         self.last_choices: dict[str, Choice] = {}  # request id -> this step's choice (tests, logs)
-        self.costs = BatchCosts(clock)  # measured c and v per batch-size class (unseeded requests)
+        # measured c and v per batch-size class (unseeded requests)
+        self.costs = BatchCosts(clock, batch1=(policy.draft_cost, policy.verify_cost))
         self.last_prices: ChoicePolicy | Prices = policy  # the prices unseeded requests were chosen at
         # Opened here, so that a path that cannot be written fails at start-up, not at every step.
         self._trace_file = open(policy.trace, "a", buffering=1) if policy.trace else None

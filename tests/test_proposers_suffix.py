@@ -393,6 +393,42 @@ def test_an_unmeasured_class_is_priced_as_the_nearest_measured_class_below_it(ru
     assert all(drafter == NONE for step in burst[1:] for drafter in step.values()), burst
 
 
+def _measure_class(costs, clock, batch: int, base: float, slope: float, draft_s: float, steps: int = 24) -> None:
+    """``steps`` target steps of ``batch`` requests on ``clock``: a + b·D with D varying, the model
+    drafting ``draft_s`` per draft token."""
+    for step in range(steps):
+        drafted = (step % 3) * 2 * batch
+        costs.step_started({"a"}, admitting=False)
+        if drafted:
+            costs.observe_draft(batch, drafted, draft_s * drafted)
+        costs.step_ended({"a"}, batch, drafted)
+        clock.now += base + slope * drafted
+
+
+def test_an_unmeasured_class_between_measured_ones_is_priced_by_interpolation_in_log_batch():
+    """Served at concurrency 48, a round's batch passes through classes 8-16 on its way up and down,
+    too briefly to be measured: priced at the configured batch-1 prices there, the choice drafted
+    15-30 requests at once where class 32 said drafting cannot pay. Below the smallest measured
+    class the prices run from the configured batch-1 ones to it; between two measured classes from
+    one to the other, in log2 of the batch size; above the largest they are the largest's."""
+    from vllm_specplugin.proposers.choice import BatchCosts
+
+    clock = StepClock()
+    costs = BatchCosts(clock, batch1=(0.1, 0.05))
+    _measure_class(costs, clock, 32, base=0.064, slope=0.0016, draft_s=0.0008)  # share 2 ms: c 0.4, v 0.8
+    assert costs.measured(32) and not costs.measured(16)
+    c32, v32 = costs.ratios(32)
+    assert (c32, v32) == (pytest.approx(0.4), pytest.approx(0.8))
+    assert costs.ratios(1) == (pytest.approx(0.1), pytest.approx(0.05))  # the configured batch-1 prices
+    c16, v16 = costs.ratios(16)  # log2 16 = 4 of 5 from batch 1 to batch 32
+    assert (c16, v16) == (pytest.approx(0.1 + 0.8 * 0.3), pytest.approx(0.05 + 0.8 * 0.75))
+    assert costs.ratios(64) == (pytest.approx(0.4), pytest.approx(0.8))  # above every measured class
+    _measure_class(costs, clock, 2, base=0.010, slope=0.0005, draft_s=0.001)  # share 5 ms: c 0.2, v 0.1
+    c4, v4 = costs.ratios(4)  # 1 of 4 octaves from batch 2 to batch 32
+    assert (c4, v4) == (pytest.approx(0.2 + 0.25 * 0.2), pytest.approx(0.1 + 0.25 * 0.7))
+    assert BatchCosts(clock).ratios(16) is None  # nothing measured: the caller's configured prices
+
+
 def test_a_class_where_the_model_never_drafted_takes_c_from_the_nearest_class_where_it_did():
     """Served under a burst, class 32's steps nearly all admitted a request and the model's draft
     time there was never observed: its c must not fall back to the configured batch-1 0.12."""
