@@ -65,6 +65,9 @@ def test_cli_refuses_bad_arguments(capsys):
         main(["--concurrency", "0"])
     assert "--concurrency must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        main(["--warmup-rounds", "-1"])
+    assert "--warmup-rounds must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         main(["--reference", "no such configuration"])
     assert "no such configuration" in capsys.readouterr().err
 

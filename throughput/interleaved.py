@@ -313,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--concurrency", type=int, default=1,
                         help="requests in flight at once (default 1: one at a time; 16: a pool of 16 clients)")
+    parser.add_argument("--warmup-rounds", type=int, default=0,
+                        help="untimed rounds of the workload on each server before the timed ones (default 0): "
+                        "a fresh server's first burst runs before it has measured its costs under load")
     parser.add_argument("--server-seed", type=int,
                         help="vLLM's --seed for every server (default vLLM's own): the random stream an unseeded "
                         "request's sampling draws from, the same for every server at start")
@@ -324,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1 or args.concurrency < 1:
         parser.error("--rounds, --requests, --max-tokens and --concurrency must be >= 1")
+    if args.warmup_rounds < 0:
+        parser.error("--warmup-rounds must be >= 0")
     preset = PRESETS[args.preset]
     reference = args.reference or preset.reference
     configs = list(preset.configs)
@@ -353,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
             server.__enter__()
             servers.append(server)
             run_workload(server, config, texts[:2], batch=1, temperature=temperatures[:2], max_tokens=8)  # warm-up
+            for _ in range(args.warmup_rounds):
+                run_workload(server, config, texts, batch=args.concurrency, temperature=temperatures,
+                             max_tokens=args.max_tokens)
             pause(server, True)
         with tqdm(total=args.rounds * len(configs), desc="rounds", unit="run") as bar:
             for index in range(args.rounds):
@@ -382,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{preset.workload} x {args.max_tokens} tokens per round, "
               f"{'one at a time' if args.concurrency == 1 else f'{args.concurrency} at a time'}, "
               f"{'' if args.server_seed is None else f'servers started with --seed {args.server_seed}, '}"
+              f"{'' if not args.warmup_rounds else f'{args.warmup_rounds} untimed round(s) on each server first, '}"
               f"{args.rounds} rounds, servers side by side, order rotated each round; started {started}. "
               f"Ratios are paired within a round; τ, α, c, r over every round.")
     report = format_report(args.preset, dataclasses.replace(preset, configs=tuple(configs)), paired, totals, reference,
