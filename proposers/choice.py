@@ -304,13 +304,13 @@ class BatchCosts:
         if not above:
             if not below:
                 return None
-            return self._class_ratios(max(below), self.batch_sizes.get(max(below), max(below)))
+            return self._class_ratios(max(below), self._mean_size(max(below)))
         high = min(above)
-        high_size = self.batch_sizes.get(high, high)
+        high_size = self._mean_size(high)
         c_high, v_high = self._class_ratios(high, high_size)
         if below:
             low = max(below)
-            low_size = self.batch_sizes.get(low, low)
+            low_size = self._mean_size(low)
             c_low, v_low = self._class_ratios(low, low_size)
         elif self.batch1 is not None:
             low_size, (c_low, v_low) = 1, self.batch1
@@ -320,6 +320,10 @@ class BatchCosts:
         t = 1.0 if span <= 0 else min(1.0, max(0.0, (math.log2(max(batch_size, 1)) - math.log2(low_size)) / span))
         c = c_low if c_high is None else c_high if c_low is None else c_low + t * (c_high - c_low)
         return c, v_low + t * (v_high - v_low)
+
+    def _mean_size(self, batch_class: int) -> float:
+        """The mean batch size of a class's measured steps (the class's key before any)."""
+        return self.batch_sizes.get(batch_class, batch_class)
 
     def _class_ratios(self, batch_class: int, batch_size: float) -> tuple[float | None, float]:
         """(c, v) of a measured class for a request of a batch of ``batch_size``."""
@@ -332,7 +336,7 @@ class BatchCosts:
             if drafted:
                 nearest = min(drafted, key=lambda k: (abs(k.bit_length() - batch_class.bit_length()), -k))
                 other = self.by_class[nearest]
-                c = other.draft_per_token / (other.base / max(self.batch_sizes.get(nearest, nearest), 1))
+                c = other.draft_per_token / (other.base / max(self._mean_size(nearest), 1))
         if batch_class not in self._reported:
             self._reported.add(batch_class)
             logger.info("drafter choice: batch class %d measured: v %.3f, c %s (plain step share %.2f ms)",

@@ -73,6 +73,20 @@ def builtin_draft_model_config(draft: str, gamma: int = 3) -> ServedConfig:
     )
 
 
+# vLLM 0.32 turns async scheduling off for every custom_class server (vllm/config/vllm.py): plain
+# decoding served that way is what the plugin's floor is held to.
+PLAIN_ASYNC_OFF = ServedConfig("plain, async scheduling off (as vLLM serves custom_class)",
+                               server_args=("--no-async-scheduling",))
+
+
+def choice_floor_config(draft: str, gamma: int) -> ServedConfig:
+    """The drafter choice priced out of drafting (every option, no probes, fixed prices): the cost of
+    serving through the speculative path at all, the floor the choice is held to under load."""
+    return plugin_config(f"choice that never drafts (floor), k {gamma}", [draft], gamma,
+                         suffix_drafting={"model_gamma": 4, "draft_cost": 9.9, "verify_cost": 9.9,
+                                          "measure_costs": False})
+
+
 @dataclass
 class WorkloadResult:
     config: str

@@ -30,9 +30,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from vllm_specplugin.throughput.bench import (MODELS, PLUGIN_PROPOSER, ServedConfig, WorkloadResult, WorkloadRun,
-                                              builtin_draft_model_config, combine_phases, dynamic_tree_config,
-                                              plugin_config, run_workload)
+from vllm_specplugin.throughput.bench import (MODELS, PLAIN_ASYNC_OFF, PLUGIN_PROPOSER, ServedConfig, WorkloadResult,
+                                              WorkloadRun, builtin_draft_model_config, choice_floor_config,
+                                              combine_phases, dynamic_tree_config, plugin_config, run_workload)
 from vllm_specplugin.throughput.workloads import heldout_prompts, mixed_requests
 
 MIX = os.path.join(MODELS, "demo-mix")
@@ -94,9 +94,8 @@ def _load_preset(workload: str) -> Preset:
     return Preset(
         os.path.join(MIX, "target"), workload,
         (ServedConfig("plain"),
-         ServedConfig("plain, async scheduling off (as vLLM serves custom_class)", server_args=("--no-async-scheduling",)),
-         plugin_config("choice that never drafts (floor), k 6", [PROSE], 6,
-                       suffix_drafting={"model_gamma": 4, "draft_cost": 9.9, "verify_cost": 9.9, "measure_costs": False}),
+         PLAIN_ASYNC_OFF,
+         choice_floor_config(PROSE, 6),
          plugin_config("choice: suffix + draft-prose γ 4, k 6", [PROSE], 6, suffix_drafting={"model_gamma": 4}),
          plugin_config("plugin draft-code γ 6, bfloat16", [CODE], 6, draft_dtype="bfloat16")),
         "plain",

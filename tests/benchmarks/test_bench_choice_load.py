@@ -31,7 +31,8 @@ import os
 
 import pytest
 
-from vllm_specplugin.throughput.bench import ServedConfig, benchmark_workload, config_name, plugin_config, served_fixture
+from vllm_specplugin.throughput.bench import (PLAIN_ASYNC_OFF, ServedConfig, benchmark_workload, choice_floor_config,
+                                              config_name, plugin_config, served_fixture)
 from vllm_specplugin.throughput.workloads import mixed_phases
 
 from .test_bench_choice import CHOICE_GAMMA, FAMILY, MAX_TOKENS
@@ -48,13 +49,11 @@ CONFIGS = [
     # The floor: the same server whose choice never drafts (every option priced out, no probes),
     # i.e. the cost of serving through the speculative path at all; and vLLM's own (ngram that
     # needs a 16-token match, which this text almost never has).
-    plugin_config(f"choice that never drafts (floor), k {CHOICE_GAMMA}", ["demo-mix/draft-prose"], CHOICE_GAMMA,
-                  suffix_drafting={"model_gamma": 4, "draft_cost": 9.9, "verify_cost": 9.9, "measure_costs": False}),
+    choice_floor_config("demo-mix/draft-prose", CHOICE_GAMMA),
     ServedConfig("vllm ngram n 16 (floor)",
                  {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 16, "prompt_lookup_max": 16}),
-    # vLLM 0.32 turns async scheduling off for custom_class speculative decoding (vllm/config/vllm.py):
-    # plain decoding served that way is what the plugin's floor is held to.
-    ServedConfig("plain, async scheduling off (as vLLM serves custom_class)", server_args=("--no-async-scheduling",)),
+    # plain decoding served as vLLM serves custom_class (async scheduling off)
+    PLAIN_ASYNC_OFF,
 ]
 # The code + prose ensemble with fixed and with per-request adaptive weights (issue 31 item 3):
 # BENCH_ENSEMBLE=1 (each request's mixture follows its own text where requests of both kinds interleave).
